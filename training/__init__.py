@@ -1,0 +1,1 @@
+"""Training tools for vllm-clover (installed as `vllm_clover_training`)."""

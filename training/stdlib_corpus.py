@@ -1,0 +1,71 @@
+"""The demo corpus: the running interpreter's standard library, split by module name.
+
+Every later measurement (head accuracy, acceptance length, speed) is reported on the
+held-out modules, so the split is fixed by name here and nowhere else: never random,
+never re-drawn per run.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+# About 10% of the corpus by bytes (checked by tests/test_corpus.py), chosen to span
+# parsers, networking, data structures and text processing. Top-level names: a package
+# is held out with all its submodules.
+HELDOUT_MODULES: tuple[str, ...] = (
+    "argparse",
+    "configparser",
+    "difflib",
+    "email",
+    "http",
+    "ipaddress",
+    "json",
+    "smtplib",
+    "statistics",
+    "wsgiref",
+)
+
+# Test suites are excluded as the issue asks (test/ and every nested tests folder), and so
+# are two folders that are data written as Python: codec tables (encodings/) and the
+# 750 KB pydoc topics string (pydoc_data/). They would teach the model tables, not code.
+EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "encodings", "pydoc_data"})
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    path: Path
+    module: str  # top-level module or package name, e.g. "email" for email/parser.py
+
+    @property
+    def heldout(self) -> bool:
+        return self.module in HELDOUT_MODULES
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def list_sources(root: Path | None = None) -> list[SourceFile]:
+    """All corpus files under `root` (default: this interpreter's stdlib), sorted by path."""
+    root = root or stdlib_root()
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if any(part in EXCLUDED_DIRS for part in rel.parts[:-1]):
+            continue
+        module = rel.parts[0].removesuffix(".py")
+        files.append(SourceFile(path=path, module=module))
+    return files
+
+
+def read_source(f: SourceFile) -> str:
+    # A few stdlib files carry Latin-1 bytes in comments; replacing them keeps the corpus text.
+    return f.path.read_text(encoding="utf-8", errors="replace")
+
+
+def split_sources(root: Path | None = None) -> tuple[list[SourceFile], list[SourceFile]]:
+    """(train, heldout) file lists."""
+    files = list_sources(root)
+    return [f for f in files if not f.heldout], [f for f in files if f.heldout]
