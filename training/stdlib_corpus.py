@@ -69,3 +69,25 @@ def split_sources(root: Path | None = None) -> tuple[list[SourceFile], list[Sour
     """(train, heldout) file lists."""
     files = list_sources(root)
     return [f for f in files if not f.heldout], [f for f in files if f.heldout]
+
+
+def heldout_prompts(n: int, context_lines: int = 30) -> list[str]:
+    """`n` prompts from the held-out modules, each ending just after a `def`/`class` line.
+
+    A prompt is up to `context_lines` lines of source ending with a function or class
+    header, so the continuation the model writes is that body: code it never saw.
+    Deterministic: files in path order, boundaries in line order, taken round-robin
+    across files so the prompts cover every held-out module before repeating one.
+    """
+    per_file = []
+    for f in split_sources()[1]:
+        lines = read_source(f).splitlines(keepends=True)
+        ends = [i for i, line in enumerate(lines) if line.lstrip().startswith(("def ", "class "))
+                and line.rstrip().endswith(":")]
+        per_file.append(["".join(lines[max(0, i + 1 - context_lines) : i + 1]) for i in ends])
+    prompts: list[str] = []
+    for depth in range(max(map(len, per_file), default=0)):
+        prompts += [p[depth] for p in per_file if depth < len(p)]
+    if len(prompts) < n:
+        raise ValueError(f"the held-out modules have {len(prompts)} def/class boundaries, {n} asked for")
+    return prompts[:n]
