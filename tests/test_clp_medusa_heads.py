@@ -1,0 +1,61 @@
+"""CLP and Medusa heads: shapes, the collocation-length target, the tau rule, vLLM's names."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_clover.clp import ClpHeads, collocation_lengths, lengths_at_threshold
+from vllm_clover.layers import head_labels
+from vllm_clover.medusa import MedusaHeads
+
+H, V, T, B, K = 32, 50, 10, 2, 3
+
+
+def test_clp_and_medusa_shapes_follow_the_shift():
+    h = torch.randn(B, T, H)
+    clp_out = ClpHeads(K, H)(h)
+    medusa_out = MedusaHeads(K, H, V)(h)
+    ids = torch.randint(0, V, (B, T))
+    for i in range(1, K + 1):
+        assert clp_out[i - 1].shape == (B, T - 1 - i, H)
+        assert medusa_out[i - 1].shape == (B, T - 1 - i, V)
+        assert head_labels(ids, i).shape == (B, T - 1 - i)
+    assert torch.equal(head_labels(ids, 2)[:, 0], ids[:, 3])  # head 2 at t=0 predicts x_3
+
+
+def test_collocation_length_counts_leading_correct_heads():
+    ids = torch.arange(T)[None]  # x_t = t
+    # Head i at t must predict x_{t+1+i} = t+1+i. Heads 1 and 3 are always right, head 2
+    # only at t=0: L* = 3 at t=0, and 1 elsewhere (head 3 counts only after heads 1 and 2).
+    def logits_predicting(tokens):
+        return torch.nn.functional.one_hot(tokens, V).float()
+    n = T - 1 - K
+    heads = []
+    for i in range(1, K + 1):
+        tokens = torch.arange(T - 1 - i)[None] + 1 + i
+        if i == 2:
+            tokens = tokens.clone()
+            tokens[:, 1:] = 0
+        heads.append(logits_predicting(tokens))
+    lengths = collocation_lengths(heads, ids)
+    assert lengths.shape == (1, n)
+    assert lengths[0].tolist() == [3] + [1] * (n - 1)
+
+
+def test_tau_rule_takes_longest_length_with_enough_probability():
+    probs = torch.tensor([[0.1, 0.2, 0.3, 0.4],    # P(L*>=l) = 1, .9, .7, .4
+                          [0.7, 0.1, 0.1, 0.1]])   # 1, .3, .2, .1
+    assert lengths_at_threshold(probs, 0.5).tolist() == [2, 0]
+    assert lengths_at_threshold(probs, 0.3).tolist() == [3, 1]
+    assert lengths_at_threshold(probs, 1.0).tolist() == [0, 0]
+    assert lengths_at_threshold(probs, 0.0).tolist() == [3, 3]
+
+
+def test_medusa_state_dict_uses_vllm_names():
+    medusa = MedusaHeads(K, H, V)
+    names = set(medusa.vllm_state_dict())
+    expected = {f"blocks.{i}.layers.0.{p}" for i in range(K) for p in ("weight", "bias")}
+    expected |= {f"lm_heads.{i}.weight" for i in range(K)}
+    assert names == expected
+    cfg = medusa.vllm_config()
+    assert (cfg["model_type"], cfg["num_heads"], cfg["medusa_fc_bias"]) == ("medusa", K, True)

@@ -1,0 +1,67 @@
+"""CLP: collocation-length prediction (shared/papers/clp.txt), in plain PyTorch.
+
+"Backbone as architect": the base model always produces the next token itself. K MLP
+heads on the base's hidden state h_t guess the tokens after it (head i -> x_{t+1+i}, as
+in clover.py), through the base's own LM head. A single linear layer on h_t predicts the
+collocation length L in 0..K: how many of those guesses in a row are right. At serving
+time a threshold tau turns its distribution into a per-request draft length:
+
+    L = max { l : P(L* >= l) >= tau }        (P(L* >= 0) = 1, so L >= 0)
+
+Lower tau drafts more. tau is chosen on validation data and stored in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from vllm_clover.layers import ResidualBlock, head_labels
+
+
+class ClpHeads(nn.Module):
+    def __init__(self, num_heads: int, hidden_size: int, tau: float = 0.5):
+        super().__init__()
+        if not 1 <= num_heads <= 8:
+            raise ValueError(f"num_heads must be in 1..8, got {num_heads}")
+        self.num_heads = num_heads
+        self.tau = tau
+        self.mlps = nn.ModuleList(ResidualBlock(hidden_size) for _ in range(num_heads))
+        self.length = nn.Linear(hidden_size, num_heads + 1)
+
+    def forward(self, h_base: torch.Tensor) -> list[torch.Tensor]:
+        """Per head, the hidden states its logits come from: K tensors [B, T-1-i, H]."""
+        T = h_base.shape[1]
+        return [mlp(h_base[:, : T - 1 - i]) for i, mlp in enumerate(self.mlps, start=1)]
+
+    def length_logits(self, h_base: torch.Tensor) -> torch.Tensor:
+        return self.length(h_base)
+
+    @torch.no_grad()
+    def draft_lengths(self, h: torch.Tensor, tau: float | None = None) -> torch.Tensor:
+        """h [N, H] -> draft length per row in 0..K."""
+        return lengths_at_threshold(self.length(h).softmax(-1), self.tau if tau is None else tau)
+
+    @torch.no_grad()
+    def draft(self, h: torch.Tensor, lm_head_weight: torch.Tensor, compute_logits=None) -> torch.Tensor:
+        """h [N, H] -> [N, K] head guesses for x_{t+2}..x_{t+1+K} (truncate to draft_lengths)."""
+        compute_logits = compute_logits or (lambda x: x @ lm_head_weight.T)
+        return torch.stack([compute_logits(mlp(h)).argmax(-1) for mlp in self.mlps], dim=-1)
+
+
+def lengths_at_threshold(probs: torch.Tensor, tau: float) -> torch.Tensor:
+    """probs [..., K+1] over L* -> the longest l with P(L* >= l) >= tau."""
+    at_least = probs.flip(-1).cumsum(-1).flip(-1)  # [..., l] = P(L* >= l)
+    return (at_least >= tau).sum(-1) - 1
+
+
+def collocation_lengths(head_logits: list[torch.Tensor], input_ids: torch.Tensor) -> torch.Tensor:
+    """L*: at each position where all K heads have a label, how many leading heads are right.
+
+    head_logits: K tensors [B, T-1-i, V] -> [B, T-1-K] in 0..K.
+    """
+    K = len(head_logits)
+    n = head_logits[-1].shape[1]  # positions valid for every head
+    correct = torch.stack([(logits[:, :n].argmax(-1) == head_labels(input_ids, i)[:, :n])
+                           for i, logits in enumerate(head_logits, start=1)], dim=-1)  # [B, n, K]
+    return correct.long().cumprod(-1).sum(-1)

@@ -1,0 +1,117 @@
+"""Building blocks shared by the draft models, in plain PyTorch (no vLLM imports).
+
+Training runs them over [batch, seq, hidden] tensors; vLLM's runner runs the same
+modules over its flattened [tokens, hidden] batch. Only the attention kernel differs,
+so the Llama-style layer takes it as an argument.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# attend(q [..., T, n_heads, d], k [..., T, n_kv, d], v [..., T, n_kv, d]) -> [..., T, n_heads, d]
+AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rms_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Scale each row to unit RMS (RMSNorm without a weight)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class ResidualBlock(nn.Module):
+    """Medusa's head body: x + SiLU(W x + b). Zero-initialised, so it starts as the identity
+    and a fresh head predicts what the base's LM head predicts."""
+
+    def __init__(self, hidden_size: int, bias: bool = True):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size, bias=bias)
+        nn.init.zeros_(self.linear.weight)
+        if bias:
+            nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    freqs = positions.float()[..., None] * inv_freq  # [..., T, d/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama's (GPT-NeoX style) rotary embedding on x [..., T, heads, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    cos, sin = cos[..., None, :].to(x.dtype), sin[..., None, :].to(x.dtype)
+    return x * cos + rotated * sin
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Full causal attention over [B, T, heads, d] (training and reference path)."""
+    groups = q.shape[-2] // k.shape[-2]
+    q, k, v = (t.transpose(-3, -2) for t in (q, k, v))  # [B, heads, T, d]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
+    return out.transpose(-3, -2)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """One Llama decoder layer with the same parameter names as Hugging Face's, so a base
+    model's layer state dict loads into it unchanged."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_attention_heads: int,
+                 num_key_value_heads: int, head_dim: int, rms_norm_eps: float, rope_theta: float):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim, self.rope_theta = (
+            num_attention_heads, num_key_value_heads, head_dim, rope_theta)
+        self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.self_attn = nn.ModuleDict({
+            "q_proj": nn.Linear(hidden_size, num_attention_heads * head_dim, bias=False),
+            "k_proj": nn.Linear(hidden_size, num_key_value_heads * head_dim, bias=False),
+            "v_proj": nn.Linear(hidden_size, num_key_value_heads * head_dim, bias=False),
+            "o_proj": nn.Linear(num_attention_heads * head_dim, hidden_size, bias=False),
+        })
+        self.mlp = nn.ModuleDict({
+            "gate_proj": nn.Linear(hidden_size, intermediate_size, bias=False),
+            "up_proj": nn.Linear(hidden_size, intermediate_size, bias=False),
+            "down_proj": nn.Linear(intermediate_size, hidden_size, bias=False),
+        })
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: AttendFn = causal_attention) -> torch.Tensor:
+        """x [..., T, H], positions [..., T] -> [..., T, H]."""
+        attn, mlp = self.self_attn, self.mlp
+        h = self.input_layernorm(x)
+        q = attn["q_proj"](h).unflatten(-1, (self.n_heads, self.head_dim))
+        k = attn["k_proj"](h).unflatten(-1, (self.n_kv, self.head_dim))
+        v = attn["v_proj"](h).unflatten(-1, (self.n_kv, self.head_dim))
+        cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta)
+        o = attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+        x = x + attn["o_proj"](o.flatten(-2))
+        h = self.post_attention_layernorm(x)
+        return x + mlp["down_proj"](F.silu(mlp["gate_proj"](h)) * mlp["up_proj"](h))
+
+
+def head_labels(input_ids: torch.Tensor, head: int) -> torch.Tensor:
+    """Labels of 1-based draft head `head` at positions 0..T-2-head: x_{t+1+head}.
+
+    The base's LM head at t predicts x_{t+1}; draft head i predicts the token i after that.
+    """
+    return input_ids[:, 1 + head :]
