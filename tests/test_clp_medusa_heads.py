@@ -13,7 +13,8 @@ H, V, T, B, K = 32, 50, 10, 2, 3
 
 def test_clp_and_medusa_shapes_follow_the_shift():
     h = torch.randn(B, T, H)
-    clp_out = ClpHeads(K, H)(h)
+    clp_out, length_logits = ClpHeads(K, H)(h)
+    assert length_logits.shape == (B, T, K + 1)
     medusa_out = MedusaHeads(K, H, V)(h)
     ids = torch.randint(0, V, (B, T))
     for i in range(1, K + 1):

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from vllm_clover_training import stdlib_corpus
-from vllm_clover_training.atomic import atomic_dir, atomic_torch_save
+from vllm_clover.atomic import atomic_dir, atomic_torch_save
 
 BOS, EOS = "<s>", "</s>"
 

@@ -29,13 +29,12 @@ class ClpHeads(nn.Module):
         self.mlps = nn.ModuleList(ResidualBlock(hidden_size) for _ in range(num_heads))
         self.length = nn.Linear(hidden_size, num_heads + 1)
 
-    def forward(self, h_base: torch.Tensor) -> list[torch.Tensor]:
-        """Per head, the hidden states its logits come from: K tensors [B, T-1-i, H]."""
+    def forward(self, h_base: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(per head, the hidden states its logits come from: K tensors [B, T-1-i, H];
+        length logits [B, T, K+1])."""
         T = h_base.shape[1]
-        return [mlp(h_base[:, : T - 1 - i]) for i, mlp in enumerate(self.mlps, start=1)]
-
-    def length_logits(self, h_base: torch.Tensor) -> torch.Tensor:
-        return self.length(h_base)
+        hidden = [mlp(h_base[:, : T - 1 - i]) for i, mlp in enumerate(self.mlps, start=1)]
+        return hidden, self.length(h_base)
 
     @torch.no_grad()
     def draft_lengths(self, h: torch.Tensor, tau: float | None = None) -> torch.Tensor:

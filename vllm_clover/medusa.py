@@ -39,10 +39,18 @@ class MedusaHeads(nn.Module):
                 "vocab_size": vocab, "num_heads": self.num_heads, "num_hidden_layers": 1,
                 "medusa_fc_bias": True}
 
-    def vllm_state_dict(self) -> dict[str, torch.Tensor]:
+    def _vllm_names(self) -> dict[str, torch.nn.Parameter]:
         out = {}
         for i, (block, lm) in enumerate(zip(self.blocks, self.lm_heads)):
             out[f"blocks.{i}.layers.0.weight"] = block.linear.weight
             out[f"blocks.{i}.layers.0.bias"] = block.linear.bias
             out[f"lm_heads.{i}.weight"] = lm.weight
-        return {k: v.detach().contiguous() for k, v in out.items()}
+        return out
+
+    def vllm_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().contiguous() for k, v in self._vllm_names().items()}
+
+    def load_vllm_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, param in self._vllm_names().items():
+                param.copy_(tensors[name])

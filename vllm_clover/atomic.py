@@ -23,11 +23,14 @@ def atomic_dir(path: Path):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    for f in tmp.rglob("*"):
+        f.chmod(0o755 if f.is_dir() else 0o644)  # some writers (safetensors) create 0600 files
     old = path.with_name(f".{path.name}.old")
     if path.exists():
         os.replace(path, old)

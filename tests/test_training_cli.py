@@ -1,0 +1,156 @@
+"""`vllm-clover-train` on the demo base: learning, checkpoints, errors, resume, torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vllm_clover import checkpoint
+from vllm_clover_training import stdlib_corpus
+from vllm_clover_training.cli import main
+
+SMALL = ["--num-heads", "3", "--max-len", "64", "--batch-size", "4", "--save-every", "4"]
+
+
+@pytest.fixture(scope="module")
+def train_jsonl(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    train, _ = stdlib_corpus.split_sources()
+    with open(path, "w") as f:
+        for src in train[:12]:
+            f.write(json.dumps({"text": stdlib_corpus.read_source(src)[:2500]}) + "\n")
+    return path
+
+
+def run_cli(*args: str) -> None:
+    main([str(a) for a in args])
+
+
+def metrics(heads_dir):
+    return [json.loads(line) for line in (heads_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("method", ["clover", "clp", "medusa"])
+def test_short_run_learns_and_writes_a_loadable_checkpoint(method, demo_base, train_jsonl, tmp_path):
+    out = tmp_path / method
+    run_cli(method, "--base-model", demo_base, "--data", train_jsonl, "--out", out, "--epochs", "2", *SMALL)
+    losses = [m["loss"] for m in metrics(out)]
+    assert len(losses) >= 20
+    assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5, losses
+    config, tensors = checkpoint.load_heads(out, demo_base)
+    assert config["vllm_clover"]["method"] == method and config["num_heads"] == 3
+    assert set(json.loads((out / "provenance.json").read_text())) >= {
+        "git_commit", "versions", "command", "data_sha256", "final_metrics"}
+    module = checkpoint.build_heads_module(out, config, tensors)
+    assert sum(p.numel() for p in module.parameters()) > 0
+    assert not (out.with_name(out.name + ".work") / "state.pt").exists()
+
+
+def test_eval_reports_per_head_accuracy(demo_base, train_jsonl, tmp_path):
+    out = tmp_path / "clp"
+    run_cli("clp", "--base-model", demo_base, "--data", train_jsonl, "--out", out, *SMALL)
+    report = tmp_path / "eval.json"
+    run_cli("eval", "--heads", out, "--base-model", demo_base, "--data", train_jsonl, "--out", report,
+            "--max-len", "64")
+    result = json.loads(report.read_text())
+    assert result["method"] == "clp" and len(result["per_head"]) == 3
+    for head in result["per_head"]:
+        assert 0 <= head["top1"] <= head["top5"] <= 1
+    assert {"tau", "length_exact_acc", "expected_accepted"} <= set(result["clp"])
+
+
+def test_heads_for_another_base_are_refused(demo_base, train_jsonl, tmp_path):
+    out = tmp_path / "medusa"
+    run_cli("medusa", "--base-model", demo_base, "--data", train_jsonl, "--out", out, *SMALL)
+    other = tmp_path / "other-base"
+    other.mkdir()
+    for f in demo_base.iterdir():
+        if f.is_file():
+            (other / f.name).write_bytes(f.read_bytes())
+    weights = load_file(other / "model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"] + 1e-3
+    from safetensors.torch import save_file
+    save_file(weights, other / "model.safetensors")
+    with pytest.raises(checkpoint.CheckpointError, match="trained for another base model: lm_head_sha256"):
+        checkpoint.load_heads(out, other)
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"text": "ok"}\n{"text": 3}\n', r"train\.jsonl:2: field 'text' must be a non-empty string"),
+    ('{"text": "ok"}\n\n{"txt": "x"}\n', r"train\.jsonl:3: expected a 'text', 'messages' or 'conversations'"),
+    ('[1, 2]\n', r"train\.jsonl:1: expected a JSON object, found list"),
+    ('{"text": "a"\n', r"train\.jsonl:1: not valid JSON"),
+    ('{"messages": [{"role": "robot", "content": "x"}]}\n', r"train\.jsonl:1: messages\[0\] must be"),
+    ('{"conversations": [{"from": "human"}]}\n', r"train\.jsonl:1: conversations\[0\] must be"),
+])
+def test_bad_data_stops_with_file_and_line(demo_base, tmp_path, line, message):
+    data = tmp_path / "train.jsonl"
+    data.write_text(line)
+    with pytest.raises(SystemExit, match=message):
+        run_cli("clover", "--base-model", demo_base, "--data", data, "--out", tmp_path / "h", *SMALL)
+    assert not (tmp_path / "h").exists()
+
+
+def test_chat_and_sharegpt_records_tokenise(demo_base, tmp_path):
+    from transformers import AutoTokenizer
+
+    from vllm_clover_training import data as data_mod
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "def f():"},
+                                             {"role": "assistant", "content": "return 1"}]}) + "\n"
+                    + json.dumps({"conversations": [{"from": "human", "value": "def f():"},
+                                                    {"from": "gpt", "value": "return 1"}]}) + "\n")
+    tok = AutoTokenizer.from_pretrained(demo_base)
+    chat, sharegpt = data_mod.read_jsonl(path)
+    assert data_mod.tokenize(chat, tok) == data_mod.tokenize(sharegpt, tok)
+    prompt = data_mod.prompt_ids(chat, tok, 64)
+    assert tok.decode(prompt).endswith("assistant: ")
+
+
+def test_resume_after_kill_matches_uninterrupted_run(demo_base, train_jsonl, tmp_path):
+    args = ["clover", "--base-model", demo_base, "--data", train_jsonl, "--epochs", "2", *SMALL]
+    full = tmp_path / "full"
+    run_cli(*args, "--out", full)
+
+    killed = tmp_path / "killed"
+    state = killed.with_name("killed.work") / "state.pt"
+    cmd = [sys.executable, "-m", "vllm_clover_training.cli", *map(str, args), "--out", str(killed)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not state.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert state.exists() and not killed.exists(), "the run must be killed between a save and the end"
+    with pytest.raises(SystemExit, match="pass --resume"):
+        run_cli(*args, "--out", killed)
+    run_cli(*args, "--out", killed, "--resume")
+
+    a, b = load_file(full / "model.safetensors"), load_file(killed / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
+    assert [m["step"] for m in metrics(killed)] == [m["step"] for m in metrics(full)]
+
+
+def test_torchrun_two_processes_match_one(demo_base, train_jsonl, tmp_path):
+    args = ["medusa", "--base-model", demo_base, "--data", train_jsonl, *SMALL]
+    single = tmp_path / "single"
+    run_cli(*args, "--out", single)
+    ddp = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                    "-m", "vllm_clover_training.cli", *map(str, args), "--out", str(ddp)],
+                   check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # Two ranks with half the batch each, gradients averaged = one process with the whole batch.
+    a, b = load_file(single / "model.safetensors"), load_file(ddp / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-4, rtol=1e-3)

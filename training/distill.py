@@ -1,0 +1,25 @@
+"""Self-distillation data: the base model's own greedy continuations, generated with vLLM.
+
+Heads trained on what the base itself writes learn the distribution they will be
+verified against (Medusa-2 and EAGLE do the same).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def generate_continuations(base_dir: Path, prompts: list[list[int]], new_tokens: int, dtype: str) -> list[list[int]]:
+    """prompt + greedy continuation (up to `new_tokens`, stopping at EOS) for every prompt."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    max_len = json.loads((Path(base_dir) / "config.json").read_text())["max_position_embeddings"]
+    prompts = [p[-(max_len - new_tokens):] for p in prompts]
+    llm = LLM(model=str(base_dir), dtype=dtype, seed=0, max_model_len=max_len,
+              kv_cache_memory_bytes=512 << 20)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=True)
+    del llm
+    return [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs)]

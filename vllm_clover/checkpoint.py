@@ -1,0 +1,171 @@
+"""The heads checkpoint: one directory that the trainer writes and vLLM loads as it is.
+
+    config.json        method, K, hyper-parameters, and the fingerprint of the base model
+    model.safetensors  only the new weights (the base's LM head etc. are taken at load time)
+    provenance.json    how it was made: commit, versions, command line, data hashes, metrics
+
+config.json is read by vLLM's `MedusaConfig`, which renames every top-level key that
+contains "num" and "heads" (or "layers") to num_heads (num_hidden_layers). So the
+top level holds only what vLLM reads, and everything of ours sits under "vllm_clover".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from vllm_clover.atomic import atomic_dir
+
+CONFIG, WEIGHTS, PROVENANCE = "config.json", "model.safetensors", "provenance.json"
+METHODS = ("clover", "clp", "medusa")
+# What vLLM's model registry builds for each method (MedusaModel is vLLM's own).
+ARCHITECTURES = {"clover": "CloverDraftModel", "clp": "ClpDraftModel", "medusa": "MedusaModel"}
+
+
+class CheckpointError(ValueError):
+    """A heads directory that cannot be used: missing, malformed, or for another base."""
+
+
+def _base_config(base_dir: Path) -> dict:
+    path = Path(base_dir) / CONFIG
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"base model config not found: {path}") from None
+
+
+def _weight_files(base_dir: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file holding it (single file or sharded with an index)."""
+    base_dir = Path(base_dir)
+    index = base_dir / "model.safetensors.index.json"
+    if index.exists():
+        return {name: base_dir / f for name, f in json.loads(index.read_text())["weight_map"].items()}
+    single = base_dir / WEIGHTS
+    if not single.exists():
+        raise CheckpointError(f"no safetensors weights in base model directory {base_dir}")
+    with safe_open(single, "pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def read_base_tensor(base_dir: Path, name: str) -> torch.Tensor:
+    files = _weight_files(base_dir)
+    if name not in files:
+        raise CheckpointError(f"tensor {name!r} not found in base model {base_dir}")
+    with safe_open(files[name], "pt") as f:
+        return f.get_tensor(name)
+
+
+def lm_head_name(base_dir: Path) -> str:
+    """The base's output projection; with tied embeddings it is the input embedding."""
+    tied = _base_config(base_dir).get("tie_word_embeddings", False)
+    return "model.embed_tokens.weight" if tied else "lm_head.weight"
+
+
+def base_fingerprint(base_dir: Path) -> dict:
+    """What heads depend on. The LM-head hash is of the file's bytes, so it does not change
+    with the dtype the base is later served in."""
+    cfg = _base_config(base_dir)
+    lm_head = read_base_tensor(base_dir, lm_head_name(base_dir))
+    return {
+        "architecture": (cfg.get("architectures") or ["?"])[0],
+        "hidden_size": cfg["hidden_size"],
+        "vocab_size": cfg["vocab_size"],
+        "num_hidden_layers": cfg["num_hidden_layers"],
+        "lm_head_sha256": hashlib.sha256(lm_head.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest(),
+    }
+
+
+def check_fingerprint(heads_dir: Path, expected: dict, base_dir: Path) -> None:
+    found = base_fingerprint(base_dir)
+    for field, want in expected.items():
+        if found.get(field) != want:
+            raise CheckpointError(
+                f"heads in {heads_dir} were trained for another base model: {field} is {want!r} in "
+                f"{heads_dir / CONFIG} but {found.get(field)!r} in {base_dir}"
+            )
+
+
+def save_heads(out_dir: Path, method: str, num_heads: int, hidden_size: int, vocab_size: int,
+               base_dir: Path, state_dict: dict[str, torch.Tensor], hyper: dict,
+               provenance: dict, vllm_extra: dict | None = None,
+               extra_files: dict[str, str] | None = None) -> None:
+    """Write the three files into `out_dir` atomically (a reader never sees a mix)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    config = {
+        "model_type": "medusa",  # vLLM routes medusa-typed drafts to the registered architecture
+        "architectures": [ARCHITECTURES[method]],
+        "hidden_size": hidden_size,
+        "vocab_size": vocab_size,
+        "num_heads": num_heads,
+        "n_predict": num_heads,
+        "num_hidden_layers": 1,
+        **(vllm_extra or {}),
+        "vllm_clover": {"method": method, "hyper": hyper, "base": base_fingerprint(base_dir)},
+    }
+    with atomic_dir(Path(out_dir)) as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, tmp / WEIGHTS)
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+
+
+def load_heads(heads_dir: Path, base_dir: Path | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json as a dict, weights). With `base_dir`, refuse heads made for another base."""
+    heads_dir = Path(heads_dir)
+    try:
+        config = json.loads((heads_dir / CONFIG).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"no {CONFIG} in heads directory {heads_dir}") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{heads_dir / CONFIG} is not valid JSON: {e}") from None
+    ours = config.get("vllm_clover")
+    if not isinstance(ours, dict) or ours.get("method") not in METHODS:
+        raise CheckpointError(f"{heads_dir / CONFIG} has no vllm_clover.method (one of {METHODS}); "
+                              "was it written by vllm-clover-train?")
+    if not (heads_dir / WEIGHTS).exists():
+        raise CheckpointError(f"no {WEIGHTS} in heads directory {heads_dir}")
+    if base_dir is not None:
+        check_fingerprint(heads_dir, ours["base"], base_dir)
+    return config, load_file(heads_dir / WEIGHTS)
+
+
+def build_heads_module(heads_dir: Path, config: dict, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The vLLM-free heads module a checkpoint describes, with its weights loaded."""
+    from vllm_clover.clover import CloverConfig, CloverHeads
+    from vllm_clover.clp import ClpHeads
+    from vllm_clover.medusa import MedusaHeads
+
+    method, hyper = config["vllm_clover"]["method"], config["vllm_clover"]["hyper"]
+    if method == "clover":
+        module = CloverHeads(CloverConfig(**hyper))
+    elif method == "clp":
+        module = ClpHeads(hyper["num_heads"], config["hidden_size"], tau=hyper["tau"])
+    else:
+        module = MedusaHeads(config["num_heads"], config["hidden_size"], config["vocab_size"])
+        expected = {k: v.shape for k, v in module.vllm_state_dict().items()}
+        check_tensors(heads_dir, tensors, expected)
+        module.load_vllm_state_dict(tensors)
+        return module
+    check_tensors(heads_dir, tensors, {k: v.shape for k, v in module.state_dict().items()})
+    module.load_state_dict(tensors)
+    return module
+
+
+def check_tensors(heads_dir: Path, found: dict[str, torch.Tensor], expected: dict[str, torch.Size]) -> None:
+    """Every expected tensor present with its shape, and nothing else."""
+    for name, shape in expected.items():
+        if name not in found:
+            raise CheckpointError(f"tensor {name!r} missing from {heads_dir / WEIGHTS}")
+        if tuple(found[name].shape) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} in {heads_dir / WEIGHTS} has shape "
+                                  f"{tuple(found[name].shape)}, expected {tuple(shape)}")
+    unexpected = sorted(set(found) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"unexpected tensors in {heads_dir / WEIGHTS}: {unexpected[:5]}")
