@@ -1,6 +1,7 @@
 """`vllm-clover-train`: train Clover, CLP or Medusa heads on a frozen base, or evaluate them.
 
     vllm-clover-train clover --base-model BASE --data train.jsonl --out heads/clover --num-heads 4
+    vllm-clover-train distill --base-model BASE --data prompts.jsonl --out distilled.jsonl
     vllm-clover-train eval   --heads heads/clover --base-model BASE --data heldout.jsonl --out eval.json
 
 Multi-process data parallel: `torchrun --nproc-per-node N -m vllm_clover_training.cli clover ...`.
@@ -52,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     clp = _train_parser(sub, "clp", "CLP heads and collocation-length predictor")
     clp.add_argument("--tau", type=float, default=0.5, help="threshold used when no --eval-data picks one")
     _train_parser(sub, "medusa", "Medusa heads in vLLM's own format (baseline)")
+    ds = sub.add_parser("distill", help="write the base's greedy continuations of the data's prompts as JSONL")
+    ds.add_argument("--base-model", type=Path, required=True)
+    ds.add_argument("--data", type=Path, nargs="+", required=True)
+    ds.add_argument("--out", type=Path, required=True, help='JSONL of {"text": prompt + continuation}')
+    ds.add_argument("--distill-prompt-tokens", type=int, default=64)
+    ds.add_argument("--distill-new-tokens", type=int, default=256)
+    ds.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     ev = sub.add_parser("eval", help="per-head top-1/top-5 accuracy of a heads checkpoint")
     ev.add_argument("--heads", type=Path, required=True)
     ev.add_argument("--base-model", type=Path, required=True)
@@ -77,7 +85,12 @@ def main(argv: list[str] | None = None) -> None:
     from vllm_clover.checkpoint import CheckpointError
 
     try:
-        if args.command == "eval":
+        if args.command == "distill":
+            from vllm_clover_training.distill import distill_jsonl
+
+            result = distill_jsonl(args.base_model, args.data, args.out, args.distill_prompt_tokens,
+                                   args.distill_new_tokens, args.dtype)
+        elif args.command == "eval":
             from vllm_clover_training.evaluate import evaluate_checkpoint
 
             result = evaluate_checkpoint(args.heads, args.base_model, args.data, args.out,

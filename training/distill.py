@@ -23,3 +23,21 @@ def generate_continuations(base_dir: Path, prompts: list[list[int]], new_tokens:
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=True)
     del llm
     return [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs)]
+
+
+def distill_jsonl(base_dir: Path, data: list[Path], out: Path, prompt_tokens: int, new_tokens: int,
+                  dtype: str) -> dict:
+    """Write {"text": prompt + greedy continuation} per record of `data` to `out`."""
+    from transformers import AutoTokenizer
+
+    from vllm_clover_training import data as data_mod
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    records = [r for path in data for r in data_mod.read_jsonl(path)]
+    prompts = [data_mod.prompt_ids(r, tokenizer, prompt_tokens) for r in records]
+    sequences = generate_continuations(base_dir, prompts, new_tokens, dtype)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("".join(json.dumps({"text": tokenizer.decode(s, skip_special_tokens=True)}) + "\n"
+                           for s in sequences))
+    tmp.replace(out)
+    return {"records": len(sequences), "tokens": sum(map(len, sequences)), "out": str(out)}

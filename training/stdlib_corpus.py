@@ -71,16 +71,16 @@ def split_sources(root: Path | None = None) -> tuple[list[SourceFile], list[Sour
     return [f for f in files if not f.heldout], [f for f in files if f.heldout]
 
 
-def heldout_prompts(n: int, context_lines: int = 30) -> list[str]:
-    """`n` prompts from the held-out modules, each ending just after a `def`/`class` line.
+def definition_prompts(files: list[SourceFile], context_lines: int = 30) -> list[str]:
+    """Prompts from `files`, each ending just after a `def`/`class` line.
 
     A prompt is up to `context_lines` lines of source ending with a function or class
-    header, so the continuation the model writes is that body: code it never saw.
-    Deterministic: files in path order, boundaries in line order, taken round-robin
-    across files so the prompts cover every held-out module before repeating one.
+    header, so the continuation a model writes is that body. Deterministic: files in
+    path order, boundaries in line order, taken round-robin across files so the first
+    prompts cover every module before any module repeats.
     """
     per_file = []
-    for f in split_sources()[1]:
+    for f in files:
         lines = read_source(f).splitlines(keepends=True)
         ends = [i for i, line in enumerate(lines) if line.lstrip().startswith(("def ", "class "))
                 and line.rstrip().endswith(":")]
@@ -88,6 +88,32 @@ def heldout_prompts(n: int, context_lines: int = 30) -> list[str]:
     prompts: list[str] = []
     for depth in range(max(map(len, per_file), default=0)):
         prompts += [p[depth] for p in per_file if depth < len(p)]
+    return prompts
+
+
+def heldout_prompts(n: int, context_lines: int = 30) -> list[str]:
+    """The first `n` definition prompts of the held-out modules: code the base never saw."""
+    prompts = definition_prompts(split_sources()[1], context_lines)
     if len(prompts) < n:
         raise ValueError(f"the held-out modules have {len(prompts)} def/class boundaries, {n} asked for")
     return prompts[:n]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Write definition prompts of one split as JSONL {"text": ...} (training data input)."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--split", choices=["train", "heldout"], required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--num-prompts", type=int, help="default: all")
+    args = parser.parse_args(argv)
+    files = split_sources()[0 if args.split == "train" else 1]
+    prompts = definition_prompts(files)[: args.num_prompts]
+    args.out.write_text("".join(json.dumps({"text": p}) + "\n" for p in prompts))
+    print(f"{len(prompts)} prompts from the {args.split} split -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
