@@ -247,10 +247,13 @@ def export(out: Path, model, tokenizer, shape, s, history, n_params, n_train_tok
     print(json.dumps({k: v for k, v in report.items() if k not in ("eval_history", "samples")}, indent=2))
 
 
+# Prompts end at the colon, not after a newline: the tokenizer merges a newline with the
+# next line's indentation, so a prompt ending in a bare "\n" would tell the model that an
+# unindented line comes next.
 SAMPLE_PROMPTS = (
-    "import json\n\n\ndef load_config(path):\n",
-    "class Parser:\n    def __init__(self, text):\n",
-    "    def __repr__(self):\n",
+    "import json\n\n\ndef load_config(path):",
+    "class Parser:\n    def __init__(self, text):",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def __repr__(self):",
 )
 
 
@@ -267,7 +270,7 @@ def model_card(r: dict) -> str:
         for h in r["eval_history"]
     )
     samples = "\n\n".join(
-        f"Prompt:\n```python\n{s['prompt']}```\nGreedy continuation (64 tokens):\n```python\n{s['continuation']}\n```"
+        f"Prompt:\n```python\n{s['prompt']}\n```\nGreedy continuation (64 tokens):\n```python\n{s['continuation']}\n```"
         for s in r["samples"]
     )
     return f"""# demo-base: a {r['parameters'] / 1e6:.2f}M-parameter Llama trained on the Python standard library
@@ -332,6 +335,13 @@ Mean next-token loss over {st['eval_batches']} fixed batches of held-out windows
 ## Samples (greedy, `transformers`)
 
 {samples}
+
+## Limitations
+
+A model this small, trained this briefly, writes code-shaped text (indentation, `self.`,
+docstrings, `def`/`class` structure) that loops quickly under greedy decoding and is
+rarely correct. It exists to give speculative decoding a real, trained target with the
+statistics of source code, not to write programs.
 """
 
 

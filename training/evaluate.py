@@ -20,20 +20,26 @@ from vllm_clover_training.methods import FrozenBase, head_logits
 TAUS = [round(0.05 * i, 2) for i in range(1, 20)]
 
 
-def _batches(windows: torch.Tensor, batch_size: int):
+@torch.no_grad()
+def _predictions(method: str, heads, base: FrozenBase, windows: torch.Tensor, batch_size: int):
+    """(input_ids, per-head logits, length logits or None) batch by batch."""
     for start in range(0, len(windows), batch_size):
-        yield windows[start : start + batch_size]
+        ids = windows[start : start + batch_size]
+        yield ids, *head_logits(method, heads, base, base.hidden_states(ids), ids)
+
+
+def _length_predictions(length_logits: torch.Tensor, logits: list[torch.Tensor], ids: torch.Tensor):
+    """(P(L*) [n, K+1], L* [n]) at every position where all heads have a label."""
+    target = collocation_lengths(logits, ids)
+    return length_logits[:, : target.shape[1]].softmax(-1).flatten(0, 1), target.flatten()
 
 
 @torch.no_grad()
 def evaluate_module(method: str, heads, base: FrozenBase, windows: torch.Tensor, batch_size: int) -> dict:
-    heads.eval()
     hits = None
     counts = None
     length_probs, length_targets = [], []
-    for ids in _batches(windows, batch_size):
-        h_base = base.hidden_states(ids)
-        logits, length_logits = head_logits(method, heads, base, h_base, ids)
+    for ids, logits, length_logits in _predictions(method, heads, base, windows, batch_size):
         if hits is None:
             hits, counts = torch.zeros(len(logits), 2), torch.zeros(len(logits))
         for i, lg in enumerate(logits, start=1):
@@ -43,10 +49,9 @@ def evaluate_module(method: str, heads, base: FrozenBase, windows: torch.Tensor,
             hits[i - 1, 1] += (top5 == labels[..., None]).any(-1).sum()
             counts[i - 1] += labels.numel()
         if length_logits is not None:
-            target = collocation_lengths(logits, ids)
-            length_probs.append(length_logits[:, : target.shape[1]].softmax(-1).flatten(0, 1))
-            length_targets.append(target.flatten())
-    heads.train()
+            probs, target = _length_predictions(length_logits, logits, ids)
+            length_probs.append(probs)
+            length_targets.append(target)
     acc = hits / counts[:, None]
     result = {"method": method, "num_heads": len(acc), "positions": int(counts[0]),
               "per_head": [{"top1": round(a[0].item(), 4), "top5": round(a[1].item(), 4)} for a in acc]}
@@ -71,15 +76,9 @@ def length_report(probs: torch.Tensor, target: torch.Tensor, tau: float) -> dict
 def choose_tau(heads, base: FrozenBase, windows: torch.Tensor, batch_size: int) -> tuple[float, list[dict]]:
     """Sweep tau on validation data; keep the one with most accepted minus wrong drafted
     tokens per step (a drafted token must be more often right than wrong to pay)."""
-    heads.eval()
-    probs, targets = [], []
-    for ids in _batches(windows, batch_size):
-        logits, length_logits = head_logits("clp", heads, base, base.hidden_states(ids), ids)
-        target = collocation_lengths(logits, ids)
-        probs.append(length_logits[:, : target.shape[1]].softmax(-1).flatten(0, 1))
-        targets.append(target.flatten())
-    heads.train()
-    probs, target = torch.cat(probs), torch.cat(targets)
+    pairs = [_length_predictions(length_logits, logits, ids)
+             for ids, logits, length_logits in _predictions("clp", heads, base, windows, batch_size)]
+    probs, target = torch.cat([p for p, _ in pairs]), torch.cat([t for _, t in pairs])
     sweep = [{"tau": tau, **length_report(probs, target, tau)} for tau in TAUS]
     best = max(sweep, key=lambda r: (r["expected_accepted"] - r["expected_wrong"], -r["tau"]))
     return best["tau"], sweep

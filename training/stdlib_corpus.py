@@ -84,7 +84,8 @@ def definition_prompts(files: list[SourceFile], context_lines: int = 30) -> list
         lines = read_source(f).splitlines(keepends=True)
         ends = [i for i, line in enumerate(lines) if line.lstrip().startswith(("def ", "class "))
                 and line.rstrip().endswith(":")]
-        per_file.append(["".join(lines[max(0, i + 1 - context_lines) : i + 1]) for i in ends])
+        # No trailing newline: BPE merges it with the next line's indentation (see demo_base.py).
+        per_file.append(["".join(lines[max(0, i + 1 - context_lines) : i + 1]).rstrip("\n") for i in ends])
     prompts: list[str] = []
     for depth in range(max(map(len, per_file), default=0)):
         prompts += [p[depth] for p in per_file if depth < len(p)]

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Reproduce assets/demo-heads/: self-distilled data from the demo base, then Clover, CLP and
+# Medusa heads (K=4) and the Clover ablations, each scored on the held-out split.
+# Resumable step by step: finished outputs are kept, a killed training run is resumed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+TRAIN="$PY -m vllm_clover_training.cli"
+BASE=assets/demo-base
+WORK=runs/demo-heads
+OUT=assets/demo-heads
+NUM_TRAIN=${NUM_TRAIN:-2000}
+NUM_HELDOUT=${NUM_HELDOUT:-300}
+COMMON=(--base-model "$BASE" --num-heads 4 --max-len 512 --batch-size 8 --seed 0)
+mkdir -p "$WORK" "$OUT"
+
+for split in train heldout; do
+    n=$([ "$split" = train ] && echo "$NUM_TRAIN" || echo "$NUM_HELDOUT")
+    if [ ! -f "$WORK/$split.jsonl" ]; then
+        $PY -m vllm_clover_training.stdlib_corpus --split "$split" --num-prompts "$n" --out "$WORK/$split-prompts.jsonl"
+        # The base's own greedy continuations: what the heads will be verified against.
+        $TRAIN distill --base-model "$BASE" --data "$WORK/$split-prompts.jsonl" --out "$WORK/$split.jsonl" \
+            --distill-prompt-tokens 384 --distill-new-tokens 128
+    fi
+done
+
+train() {  # train NAME DEST METHOD [FLAGS...]
+    local name=$1 dest=$2 method=$3; shift 3
+    if [ ! -f "$dest/eval-heldout.json" ]; then
+        local resume=()
+        [ -f "$dest.work/state.pt" ] && resume=(--resume)
+        [ -f "$dest/config.json" ] || $TRAIN "$method" "${COMMON[@]}" --data "$WORK/train.jsonl" \
+            --eval-data "$WORK/heldout.jsonl" --out "$dest" "${resume[@]}" "$@"
+        $TRAIN eval --heads "$dest" --base-model "$BASE" --data "$WORK/heldout.jsonl" \
+            --out "$dest/eval-heldout.json" --max-len 512
+    fi
+    echo "$name: $(cat "$dest/eval-heldout.json" | $PY -c 'import json,sys; print([h["top5"] for h in json.load(sys.stdin)["per_head"]])')"
+}
+
+train clover "$OUT/clover" clover
+train clp "$OUT/clp" clp
+train medusa "$OUT/medusa" medusa
+# Figure 7a ablations: evaluated, not shipped (their weights stay in runs/).
+train clover-no-augmenting "$WORK/ablations/no-augmenting-block" clover --no-augmenting-block
+train clover-mlp-regressive "$WORK/ablations/mlp-regressive" clover --regressive mlp
+train clover-no-regressive "$WORK/ablations/no-regressive" clover --regressive none
+mkdir -p "$OUT/ablations"
+for a in no-augmenting-block mlp-regressive no-regressive; do
+    cp "$WORK/ablations/$a/eval-heldout.json" "$OUT/ablations/$a.json"
+done
