@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Reproduce assets/demo-heads/: self-distilled data from the demo base, then Clover, CLP and
-# Medusa heads (K=4) and the Clover ablations, each scored on the held-out split.
+# Medusa heads (K=4) and the Clover ablations, each scored on the held-out split. CLP's tau
+# is chosen on a validation slice of the training split, never on the held-out modules.
 # Resumable step by step: finished outputs are kept, a killed training run is resumed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,19 +11,22 @@ BASE=assets/demo-base
 WORK=runs/demo-heads
 OUT=assets/demo-heads
 NUM_TRAIN=${NUM_TRAIN:-2000}
+NUM_VALID=${NUM_VALID:-200}
 NUM_HELDOUT=${NUM_HELDOUT:-300}
 COMMON=(--base-model "$BASE" --num-heads 4 --max-len 512 --batch-size 8 --seed 0)
 mkdir -p "$WORK" "$OUT"
 
-for split in train heldout; do
-    n=$([ "$split" = train ] && echo "$NUM_TRAIN" || echo "$NUM_HELDOUT")
-    if [ ! -f "$WORK/$split.jsonl" ]; then
-        $PY -m vllm_clover_training.stdlib_corpus --split "$split" --num-prompts "$n" --out "$WORK/$split-prompts.jsonl"
-        # The base's own greedy continuations: what the heads will be verified against.
-        $TRAIN distill --base-model "$BASE" --data "$WORK/$split-prompts.jsonl" --out "$WORK/$split.jsonl" \
-            --distill-prompt-tokens 384 --distill-new-tokens 128
-    fi
-done
+distill() {  # distill SPLIT NUM_PROMPTS OUT: the base's own greedy continuations of the split's
+    # definition prompts, i.e. what the heads will be verified against.
+    [ -f "$3" ] && return
+    $PY -m vllm_clover_training.stdlib_corpus --split "$1" --num-prompts "$2" --out "$3.prompts"
+    $TRAIN distill --base-model "$BASE" --data "$3.prompts" --out "$3" \
+        --distill-prompt-tokens 384 --distill-new-tokens 128
+}
+distill train $((NUM_TRAIN + NUM_VALID)) "$WORK/train-all.jsonl"
+distill heldout "$NUM_HELDOUT" "$WORK/heldout.jsonl"
+head -n "$NUM_TRAIN" "$WORK/train-all.jsonl" > "$WORK/train.jsonl"
+tail -n +"$((NUM_TRAIN + 1))" "$WORK/train-all.jsonl" > "$WORK/valid.jsonl"
 
 train() {  # train NAME DEST METHOD [FLAGS...]
     local name=$1 dest=$2 method=$3; shift 3
@@ -30,7 +34,7 @@ train() {  # train NAME DEST METHOD [FLAGS...]
         local resume=()
         [ -f "$dest.work/state.pt" ] && resume=(--resume)
         [ -f "$dest/config.json" ] || $TRAIN "$method" "${COMMON[@]}" --data "$WORK/train.jsonl" \
-            --eval-data "$WORK/heldout.jsonl" --out "$dest" "${resume[@]}" "$@"
+            --eval-data "$WORK/valid.jsonl" --out "$dest" "${resume[@]}" "$@"
         $TRAIN eval --heads "$dest" --base-model "$BASE" --data "$WORK/heldout.jsonl" \
             --out "$dest/eval-heldout.json" --max-len 512
     fi
