@@ -51,7 +51,8 @@ def test_short_run_learns_and_writes_a_loadable_checkpoint(method, demo_base, tr
         "git_commit", "versions", "command", "data_sha256", "final_metrics"}
     module = checkpoint.build_heads_module(out, config, tensors)
     assert sum(p.numel() for p in module.parameters()) > 0
-    assert not (out.with_name(out.name + ".work") / "state.pt").exists()
+    assert not out.with_name(out.name + ".work").exists()  # finished: nothing left to resume
+    assert json.loads((out / "provenance.json").read_text())["final_metrics"]["train_seconds"] > 0
 
 
 def test_eval_reports_per_head_accuracy(demo_base, train_jsonl, tmp_path):

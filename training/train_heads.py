@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -154,19 +155,20 @@ def train(args: TrainArgs) -> dict:
     warmup = max(1, int(args.warmup_ratio * total))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup))
 
-    step = 0
+    step, elapsed = 0, 0.0
     if args.resume:
         state = torch.load(state_path, weights_only=False)
         heads.load_state_dict(state["heads"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        step = state["step"]
+        step, elapsed = state["step"], state["elapsed"]
 
     metrics_path = work / "metrics.jsonl"
     if ddp.main:
         keep_metrics_until(metrics_path, step)
     bar = tqdm(total=total, initial=step, desc=f"{args.method} K={args.num_heads}", disable=not ddp.main)
     while step < total:
+        started = time.perf_counter()
         epoch, index = divmod(step, steps_per_epoch)
         order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(args.seed + epoch))
         batch = windows[order[index * args.batch_size : (index + 1) * args.batch_size]][ddp.rank :: ddp.world]
@@ -177,6 +179,7 @@ def train(args: TrainArgs) -> dict:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
+        elapsed += time.perf_counter() - started
         if ddp.main:
             record = {"step": step, "epoch": epoch, "lr": scheduler.get_last_lr()[0], **metrics}
             with open(metrics_path, "a") as f:
@@ -185,12 +188,13 @@ def train(args: TrainArgs) -> dict:
             bar.update()
             if step % args.save_every == 0 or step == total:
                 atomic_torch_save({"heads": heads.state_dict(), "optimizer": optimizer.state_dict(),
-                                   "scheduler": scheduler.state_dict(), "step": step}, state_path)
+                                   "scheduler": scheduler.state_dict(), "step": step, "elapsed": elapsed},
+                                  state_path)
     bar.close()
 
     result = {}
     if ddp.main:
-        result = finish(args, heads, base, tokenizer, work)
+        result = finish(args, heads, base, tokenizer, work, elapsed)
     ddp.barrier()
     return result
 
@@ -202,10 +206,10 @@ def keep_metrics_until(path: Path, step: int) -> None:
         path.write_text("".join(kept))
 
 
-def finish(args: TrainArgs, heads, base: FrozenBase, tokenizer, work: Path) -> dict:
+def finish(args: TrainArgs, heads, base: FrozenBase, tokenizer, work: Path, train_seconds: float) -> dict:
     from vllm_clover_training.evaluate import choose_tau, evaluate_module
 
-    final = {}
+    final = {"train_seconds": round(train_seconds, 1)}
     if args.eval_data:
         eval_windows = data_mod.pack([data_mod.tokenize(r, tokenizer) for p in args.eval_data
                                       for r in data_mod.read_jsonl(p)], args.max_len, tokenizer.eos_token_id)
@@ -228,4 +232,6 @@ def finish(args: TrainArgs, heads, base: FrozenBase, tokenizer, work: Path) -> d
     # The run is complete: only the self-distilled data stays, for the next run to reuse.
     for name in ("state.pt", "metrics.jsonl"):
         (work / name).unlink(missing_ok=True)
+    if not any(work.iterdir()):
+        work.rmdir()
     return final
