@@ -155,3 +155,25 @@ def test_torchrun_two_processes_match_one(demo_base, train_jsonl, tmp_path):
     a, b = load_file(single / "model.safetensors"), load_file(ddp / "model.safetensors")
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-4, rtol=1e-3)
+
+
+def test_self_distill_trains_on_the_base_greedy_continuations(demo_base, tmp_path):
+    """--self-distill generates with vLLM once, caches it, and the cached sequences are the
+    base's own greedy continuations (checked against transformers)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = tmp_path / "prompts.jsonl"
+    prompts = stdlib_corpus.heldout_prompts(24)
+    data.write_text("".join(json.dumps({"text": p}) + "\n" for p in prompts))
+    out = tmp_path / "clover"
+    run_cli("clover", "--base-model", demo_base, "--data", data, "--out", out, "--self-distill",
+            "--distill-prompt-tokens", "48", "--distill-new-tokens", "16", *SMALL)
+    cache = json.loads((tmp_path / "clover.work" / "distilled.json").read_text())
+    assert len(cache["sequences"]) == 24
+    tok = AutoTokenizer.from_pretrained(demo_base)
+    model = AutoModelForCausalLM.from_pretrained(demo_base, dtype=torch.float32).eval()
+    prompt = tok(prompts[0]).input_ids[:48]
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0].tolist()
+    assert cache["sequences"][0] == expected
+    assert checkpoint.load_heads(out, demo_base)[0]["vllm_clover"]["method"] == "clover"
