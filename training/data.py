@@ -132,3 +132,8 @@ def pack(sequences: list[list[int]], max_len: int, eos_id: int) -> torch.Tensor:
     if n == 0:
         raise DataError(f"the data has {len(stream)} tokens, fewer than one window of --max-len {max_len}")
     return torch.tensor(stream[: n * max_len], dtype=torch.long).view(n, max_len)
+
+
+def packed_files(paths: list[Path], tokenizer, max_len: int) -> torch.Tensor:
+    """Every record of every file, tokenised as is and packed into windows."""
+    return pack([tokenize(r, tokenizer) for p in paths for r in read_jsonl(p)], max_len, tokenizer.eos_token_id)

@@ -93,8 +93,7 @@ def evaluate_checkpoint(heads_dir: Path, base_dir: Path, data: list[Path], out: 
     config, tensors = checkpoint.load_heads(heads_dir, base_dir)
     heads = checkpoint.build_heads_module(heads_dir, config, tensors)
     base, tokenizer = load_base(base_dir, dtype)
-    windows = data_mod.pack([data_mod.tokenize(r, tokenizer) for p in data for r in data_mod.read_jsonl(p)],
-                            max_len, tokenizer.eos_token_id)
+    windows = data_mod.packed_files(data, tokenizer, max_len)
     result = evaluate_module(config["vllm_clover"]["method"], heads, base, windows, batch_size)
     result["heads"], result["data"] = str(heads_dir), [str(p) for p in data]
     tmp = out.with_name(out.name + ".tmp")

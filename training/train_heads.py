@@ -167,13 +167,15 @@ def train(args: TrainArgs) -> dict:
     if ddp.main:
         keep_metrics_until(metrics_path, step)
     bar = tqdm(total=total, initial=step, desc=f"{args.method} K={args.num_heads}", disable=not ddp.main)
+    order_epoch, order = None, None
     while step < total:
         started = time.perf_counter()
         epoch, index = divmod(step, steps_per_epoch)
-        order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(args.seed + epoch))
+        if epoch != order_epoch:  # one shuffle per epoch, a function of seed and epoch only (resumable)
+            order_epoch = epoch
+            order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(args.seed + epoch))
         batch = windows[order[index * args.batch_size : (index + 1) * args.batch_size]][ddp.rank :: ddp.world]
-        loss, metrics = losses(args.method, model if ddp.world > 1 else heads, base, batch,
-                               args.head_weight_decay)
+        loss, metrics = losses(args.method, model, base, batch, args.head_weight_decay)
         loss.backward()
         optimizer.step()
         scheduler.step()
@@ -211,8 +213,7 @@ def finish(args: TrainArgs, heads, base: FrozenBase, tokenizer, work: Path, trai
 
     final = {"train_seconds": round(train_seconds, 1)}
     if args.eval_data:
-        eval_windows = data_mod.pack([data_mod.tokenize(r, tokenizer) for p in args.eval_data
-                                      for r in data_mod.read_jsonl(p)], args.max_len, tokenizer.eos_token_id)
+        eval_windows = data_mod.packed_files(args.eval_data, tokenizer, args.max_len)
         if args.method == "clp":
             heads.tau, final["tau_sweep"] = choose_tau(heads, base, eval_windows, args.batch_size)
         final.update(evaluate_module(args.method, heads, base, eval_windows, args.batch_size))
