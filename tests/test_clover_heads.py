@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_clover.clover import CloverConfig, CloverHeads, token_embeddings
-from vllm_clover.layers import LlamaDecoderLayer
+from vllm_clover.layers import DenseLmHead, LlamaDecoderLayer
 
 H, V, T, B, K = 64, 97, 12, 3, 4
 
@@ -104,7 +104,7 @@ def test_draft_chain_matches_teacher_forced_heads_on_its_own_tokens(inputs):
         m.linear.weight.data.normal_(0, 0.1)
     h0 = heads.augmented(h_base[:1], torch.arange(T)[None])[0, -1:]   # last position
     first = torch.tensor([5])
-    drafts = heads.draft(h0, first, lm_head, K)
+    drafts = heads.draft(h0, first, DenseLmHead(lm_head), K)
     # Rebuild the same chain step by step with the training-time step function.
     h, e = h0, token_embeddings(lm_head, first)
     for i in range(K):

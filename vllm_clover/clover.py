@@ -27,7 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vllm_clover.layers import LlamaDecoderLayer, ResidualBlock, RMSNorm, causal_attention, rms_normalize
+from vllm_clover.layers import (DenseLmHead, LlamaDecoderLayer, LmHead, ResidualBlock, RMSNorm, causal_attention,
+                                rms_normalize)
 
 Regressive = Literal["attention", "mlp", "none"]
 
@@ -168,15 +169,13 @@ class CloverHeads(nn.Module):
     # ---- serving: greedy chain from the base's sampled token ----
 
     @torch.no_grad()
-    def draft(self, h0: torch.Tensor, first_token: torch.Tensor, lm_head_weight: torch.Tensor,
-              num_tokens: int, compute_logits=None) -> torch.Tensor:
+    def draft(self, h0: torch.Tensor, first_token: torch.Tensor, lm_head: LmHead, num_tokens: int) -> torch.Tensor:
         """Greedy chain of `num_tokens` drafts per row. h0 [N, H] (augmented), first_token [N]
         (what the base just sampled) -> [N, num_tokens] token ids."""
-        compute_logits = compute_logits or (lambda x: x @ lm_head_weight.T)
         h, token, drafts = h0, first_token, []
         for i in range(num_tokens):
-            h, out = self.step(i, h, token_embeddings(lm_head_weight, token))
-            token = compute_logits(out).argmax(-1)
+            h, out = self.step(i, h, rms_normalize(lm_head.rows(token)))
+            token = lm_head.logits(out).argmax(-1)
             drafts.append(token)
         return torch.stack(drafts, dim=-1)
 
@@ -184,4 +183,4 @@ class CloverHeads(nn.Module):
 def token_embeddings(lm_head_weight: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """The regressive input e: the token's LM-head row, scaled to unit RMS so it lives on the
     same scale as the base's normalised hidden states (paper: 'normalised LM-head weight')."""
-    return rms_normalize(F.embedding(token_ids, lm_head_weight))
+    return rms_normalize(DenseLmHead(lm_head_weight).rows(token_ids))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from vllm_clover.layers import ResidualBlock, head_labels
+from vllm_clover.layers import LmHead, ResidualBlock, head_labels
 
 
 class ClpHeads(nn.Module):
@@ -42,10 +42,11 @@ class ClpHeads(nn.Module):
         return lengths_at_threshold(self.length(h).softmax(-1), self.tau if tau is None else tau)
 
     @torch.no_grad()
-    def draft(self, h: torch.Tensor, lm_head_weight: torch.Tensor, compute_logits=None) -> torch.Tensor:
-        """h [N, H] -> [N, K] head guesses for x_{t+2}..x_{t+1+K} (truncate to draft_lengths)."""
-        compute_logits = compute_logits or (lambda x: x @ lm_head_weight.T)
-        return torch.stack([compute_logits(mlp(h)).argmax(-1) for mlp in self.mlps], dim=-1)
+    def draft(self, h: torch.Tensor, lm_head: LmHead, num_tokens: int | None = None) -> torch.Tensor:
+        """h [N, H] -> [N, num_tokens] guesses for x_{t+2}.. from the first heads (truncate
+        each row to its draft length)."""
+        mlps = self.mlps[: self.num_heads if num_tokens is None else num_tokens]
+        return torch.stack([lm_head.logits(mlp(h)).argmax(-1) for mlp in mlps], dim=-1)
 
 
 def lengths_at_threshold(probs: torch.Tensor, tau: float) -> torch.Tensor:

@@ -7,7 +7,7 @@ so the Llama-style layer takes it as an argument.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.nn as nn
@@ -15,6 +15,28 @@ import torch.nn.functional as F
 
 # attend(q [..., T, n_heads, d], k [..., T, n_kv, d], v [..., T, n_kv, d]) -> [..., T, n_heads, d]
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class LmHead(Protocol):
+    """The base model's output projection, as the draft heads use it. Training holds the
+    weight matrix (`DenseLmHead`); vLLM holds a vocab-sharded layer behind the same two calls."""
+
+    def rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The LM-head weight rows of `token_ids` ([...] -> [..., H])."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V]."""
+
+
+class DenseLmHead:
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.weight.T
 
 
 class RMSNorm(nn.Module):

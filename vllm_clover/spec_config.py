@@ -1,0 +1,107 @@
+"""What users write in `speculative_config`, and what vLLM is given instead.
+
+vLLM 0.32 knows no "clover" or "clp" method, and its draft loader, scheduler and runner
+only need to see one it already supports. Our checkpoints are `model_type: "medusa"`
+directories whose `architectures` name our draft classes, so they travel through vLLM
+as `method="medusa"` (the "carrier"): vLLM builds our registered class, keeps
+synchronous scheduling (which per-request draft lengths need) and, on GPUs, the V1
+model runner that our proposer hook lives in.
+
+    {"method": "clover",    "model": HEADS, "num_speculative_tokens": K}
+    {"method": "clp",       "model": HEADS}   verified: output equals plain decoding
+    {"method": "clp-trust", "model": HEADS}   the CLP paper's mode: drafts accepted unverified (lossy)
+    {"model": HEADS} or {"method": "medusa", ...} with our heads: the checkpoint's method
+
+Everything that can be wrong with a heads directory is checked here, in the process that
+builds the config, so it surfaces as one exception from `LLM(...)` / `vllm serve`
+instead of a traceback in a worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from vllm_clover.checkpoint import CONFIG, CheckpointError, build_heads_module, load_heads
+
+CARRIER = "medusa"
+# Our method names -> (the checkpoint method they need, whether drafts are trusted).
+METHODS = {"clover": ("clover", False), "clp": ("clp", False), "clp-trust": ("clp", True)}
+# Where the serving options ride to the workers: an attribute of the draft's hf_config,
+# which vLLM pickles into every engine process along with the rest of VllmConfig.
+SERVING_ATTR = "vllm_clover_serving"
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    method: str          # "clover" | "clp" (what the checkpoint holds)
+    trust_drafts: bool   # accept drafts without verification (CLP paper mode)
+
+
+def our_heads_config(model: object) -> dict | None:
+    """config.json of a local heads directory written by vllm-clover-train, else None."""
+    if not isinstance(model, (str, os.PathLike)) or not (Path(model) / CONFIG).is_file():
+        return None
+    try:
+        config = json.loads((Path(model) / CONFIG).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None  # not ours to judge; vLLM reports its own error
+    return config if isinstance(config, dict) and "vllm_clover" in config else None
+
+
+def resolve(spec: dict, target_model: str) -> tuple[dict, ServingOptions | None]:
+    """(the dict to hand vLLM, our serving options or None when the spec is not ours).
+
+    Specs that are not ours are returned untouched, so vLLM behaves exactly as without
+    the plugin for every other method and checkpoint.
+    """
+    method = spec.get("method")
+    if method not in METHODS and not (method in (None, CARRIER) and our_heads_config(spec.get("model"))):
+        return spec, None
+    heads_dir = spec.get("model")
+    if not heads_dir:
+        raise CheckpointError(f'speculative_config method {method!r} needs "model": a heads directory '
+                              "written by vllm-clover-train")
+    heads_dir = Path(heads_dir)
+    base_dir = Path(target_model) if Path(target_model).is_dir() else None
+    config, tensors = load_heads(heads_dir, base_dir)
+    found = config["vllm_clover"]["method"]
+    if method in METHODS and METHODS[method][0] != found:
+        raise CheckpointError(f"speculative_config method {method!r} needs {METHODS[method][0]} heads, but "
+                              f"{heads_dir / CONFIG} holds {found} heads (use method {found!r})")
+    build_heads_module(heads_dir, config, tensors)  # every tensor present, with its shape
+    check_num_speculative_tokens(spec, config, heads_dir)
+    if found == CARRIER:
+        return spec, None  # our Medusa heads are in vLLM's format: its own proposer runs them
+    check_runner()
+    trust = METHODS.get(method, (found, False))[1]
+    return {**spec, "method": CARRIER}, ServingOptions(found, trust)
+
+
+def check_num_speculative_tokens(spec: dict, config: dict, heads_dir: Path) -> None:
+    k, heads = spec.get("num_speculative_tokens"), config["num_heads"]
+    if k is not None and not 1 <= k <= heads:
+        raise CheckpointError(f"num_speculative_tokens is {k}, but {heads_dir} has {heads} draft heads "
+                              f"(n_predict in {heads_dir / CONFIG}); use 1..{heads}")
+
+
+def check_runner() -> None:
+    """Our proposer hooks the V1 model runner. vLLM picks it for medusa-carried methods
+    unless the user forces Model Runner V2, which would fail later without saying why."""
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true"):
+        raise CheckpointError("vllm-clover's proposers run in vLLM's V1 model runner, but "
+                              "VLLM_USE_V2_MODEL_RUNNER forces Model Runner V2; unset it")
+
+
+def attach(speculative_config, options: ServingOptions) -> None:
+    """Hand the options to the draft model, in whatever process builds it."""
+    setattr(speculative_config.draft_model_config.hf_config, SERVING_ATTR, asdict(options))
+
+
+def serving_options(draft_hf_config) -> ServingOptions:
+    found = getattr(draft_hf_config, SERVING_ATTR, None)
+    if found is None:  # a medusa-typed spec that bypassed `resolve` (no vllm_clover in config.json)
+        return ServingOptions(draft_hf_config.vllm_clover["method"], trust_drafts=False)
+    return ServingOptions(**found)
