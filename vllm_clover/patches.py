@@ -1,11 +1,13 @@
 """Every change vllm-clover makes to vLLM internals, in one table.
 
-vLLM 0.32 has no proposer registry, so the plugin wraps three private methods. Each
-wrapper is a no-op for anything that is not ours: other methods, models and checkpoints
-run exactly as without the plugin. All three were written against vLLM 0.32
-(`version.SUPPORTED_VLLM`, checked before any is applied), and each checks at apply time
-that the wrapped method still has the parameters it was written for, so a vLLM change
-fails at start-up with the patch's name rather than mid-generation.
+vLLM 0.32 has no proposer registry, so the plugin wraps three private methods, and it
+works around one vLLM CPU bug. Each change is a no-op for anything that is not ours:
+other methods, models and checkpoints run exactly as without the plugin. All were
+written against vLLM 0.32 (`version.SUPPORTED_VLLM`, checked before any is applied), and
+each checks at apply time that the wrapped function still has the parameters it was
+written for, so a vLLM change fails at start-up with the patch's name rather than
+mid-generation. The first three are applied by `register()` in every vLLM process; the
+last only in a CPU worker that builds one of our draft models.
 
   speculative_method_names  EngineArgs.create_speculative_config
       vLLM's SpeculativeConfig.method is a closed Literal. Rewrite "clover" / "clp" /
@@ -21,6 +23,12 @@ fails at start-up with the patch's name rather than mid-generation.
       serving "clp-trust", make the target's verification distribution at each draft
       position a point mass on the draft token, so vLLM's own sampler accepts it, and
       samples the bonus token as usual. Lossy by design; opt-in only.
+  cpu_expand_float_params   rejection_sampler.expand_batch_to_tokens  (CPU workers of our engines)
+      vLLM 0.32's C++ fallback for the Triton `expand_kernel` casts its output to int64 and
+      writes into that copy, so per-token temperatures (and top-p) used to verify drafts
+      stay uninitialised memory: at temperature > 0 every spec-decode method on the CPU
+      build samples from a wrong distribution (tests/test_lossless.py shows it for
+      vLLM's own Medusa). Replace it with the same expansion in plain torch.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
 
 from vllm_clover.version import SUPPORTED_VLLM
 
@@ -43,26 +53,35 @@ class VllmInternalsChanged(RuntimeError):
 @dataclass(frozen=True)
 class Patch:
     name: str
-    owner: str                     # "module:Class"
-    method: str
+    target: str                    # "module:function" or "module:Class.method"
     parameters: tuple[str, ...]    # the signature the wrapper was written against
     wrap: Callable[[Callable], Callable]
     vllm: str = SUPPORTED_VLLM
 
+    def _owner_and_attribute(self):
+        module, path = self.target.split(":")
+        owner = importlib.import_module(module)
+        *classes, attribute = path.split(".")
+        for cls in classes:
+            owner = getattr(owner, cls)
+        return owner, attribute
+
+    def original(self) -> Callable:
+        return getattr(*self._owner_and_attribute())
+
     def apply(self) -> None:
-        module, cls_name = self.owner.split(":")
-        cls = getattr(importlib.import_module(module), cls_name)
-        original = getattr(cls, self.method)
+        owner, attribute = self._owner_and_attribute()
+        original = getattr(owner, attribute)
         if getattr(original, MARKER, None) == self.name:
             return
         found = tuple(inspect.signature(original).parameters)
         if found != self.parameters:
             raise VllmInternalsChanged(
                 f"vllm-clover patch {self.name!r} was written for vLLM {self.vllm}'s "
-                f"{cls_name}.{self.method}{self.parameters}, but this vLLM has {found}")
+                f"{self.target}{self.parameters}, but this vLLM has {found}")
         wrapper = functools.wraps(original)(self.wrap(original))
         setattr(wrapper, MARKER, self.name)
-        setattr(cls, self.method, wrapper)
+        setattr(owner, attribute, wrapper)
 
 
 def _speculative_method_names(original):
@@ -123,18 +142,40 @@ def point_mass_on_drafts(logits, draft_rows, draft_token_ids):
     return forced
 
 
+def _cpu_expand_float_params(original):
+    def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+        counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1))
+        x = torch.where(x == replace_from, torch.as_tensor(replace_to, dtype=x.dtype, device=x.device), x)
+        return torch.repeat_interleave(x, counts, output_size=num_tokens)
+
+    return expand_batch_to_tokens
+
+
 PATCHES = (
-    Patch("speculative_method_names", "vllm.engine.arg_utils:EngineArgs", "create_speculative_config",
+    Patch("speculative_method_names", "vllm.engine.arg_utils:EngineArgs.create_speculative_config",
           ("self", "target_model_config", "target_parallel_config"), _speculative_method_names),
-    Patch("draft_with_clover_heads", "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "propose_draft_token_ids",
+    Patch("draft_with_clover_heads", "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids",
           ("self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
            "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata", "common_attn_metadata",
            "slot_mappings"), _draft_with_clover_heads),
-    Patch("trust_clp_drafts", "vllm.v1.sample.rejection_sampler:RejectionSampler", "forward",
+    Patch("trust_clp_drafts", "vllm.v1.sample.rejection_sampler:RejectionSampler.forward",
           ("self", "metadata", "draft_probs", "logits", "sampling_metadata"), _trust_clp_drafts),
+)
+CPU_WORKER_PATCHES = (
+    Patch("cpu_expand_float_params", "vllm.v1.sample.rejection_sampler:expand_batch_to_tokens",
+          ("x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"), _cpu_expand_float_params),
 )
 
 
 def apply_all() -> None:
     for patch in PATCHES:
         patch.apply()
+
+
+def apply_for_our_draft_model() -> None:
+    """Called where one of our draft models is built (an engine's worker process)."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:  # with Triton, vLLM's own kernel runs and is correct
+        for patch in CPU_WORKER_PATCHES:
+            patch.apply()

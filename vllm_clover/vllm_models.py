@@ -34,6 +34,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 from vllm_clover.checkpoint import WEIGHTS, CheckpointError, check_tensors
 from vllm_clover.clover import CloverConfig, CloverHeads
 from vllm_clover.clp import ClpHeads
+from vllm_clover.patches import apply_for_our_draft_model
 from vllm_clover.spec_config import ServingOptions, serving_options
 
 
@@ -76,6 +77,7 @@ class DraftModel(nn.Module):
 
     def __init__(self, vllm_config, prefix: str = ""):
         super().__init__()
+        apply_for_our_draft_model()
         draft = vllm_config.speculative_config.draft_model_config
         self.heads_dir = Path(draft.model)
         self.hyper: dict = draft.hf_config.vllm_clover["hyper"]

@@ -1,0 +1,169 @@
+"""Speculative decoding with our heads changes nothing but speed, in real vLLM engines.
+
+One engine per method, all with the same settings: prompts longer than
+`max_num_batched_tokens` (chunked prefill), prefix caching on, and a KV cache that
+holds ~35 typical requests but not 48 long ones growing by 256 tokens (preemption, then
+recompute). Greedy outputs must equal the same engine's without speculation, token for
+token, for every prompt: all 200 held-out prompts submitted at once and one request at a
+time, prompts sharing a long cached prefix, and the preempted long requests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm import SamplingParams
+
+from conftest import counter, counters_since, make_llm, shutdown, spec_counters, speculative
+from vllm_clover_training.stdlib_corpus import heldout_prompts
+
+NUM_PROMPTS = 200
+NEW_TOKENS = 32
+SERIAL_TOKENS = 16     # one request at a time is the slow part; shorter outputs keep CI short
+ENGINE = dict(
+    disable_log_stats=False,
+    enable_prefix_caching=True,
+    max_num_seqs=48,
+    max_num_batched_tokens=256,        # longest prompts are ~550 tokens: prefilled in chunks
+    kv_cache_memory_bytes=80 << 20,    # ~100-125 blocks of 128 tokens: ~35 running requests
+)
+PREEMPTED = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+SERIAL = SamplingParams(temperature=0, max_tokens=SERIAL_TOKENS, ignore_eos=True)
+# Temperature test: the tokens sampled after the first one went through rejection sampling.
+HOT, COLD, NUM_SAMPLES = 0.8, 0.6, 1500
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return heldout_prompts(NUM_PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_prompts(prompts):
+    """24 prompts that share one ~400-token prefix (3 full KV blocks) and differ at the end."""
+    prefix = max(prompts, key=len)
+    return [prefix + f"\n\ndef variant_{i}(" for i in range(24)]
+
+
+def run_all(llm, prompts, shared_prefix_prompts) -> dict:
+    before = spec_counters(llm)
+    concurrent = llm.generate(prompts, GREEDY, use_tqdm=False)
+    after = spec_counters(llm)
+    serial = [llm.generate([p], SERIAL, use_tqdm=False)[0] for p in prompts]
+    llm.generate(shared_prefix_prompts[:1], GREEDY, use_tqdm=False)   # fills the cache with the prefix
+    prefixed = llm.generate(shared_prefix_prompts, GREEDY, use_tqdm=False)
+    preemptions = counter(llm, "vllm:num_preemptions")
+    long_requests = llm.generate(sorted(prompts, key=len)[-48:], PREEMPTED, use_tqdm=False)
+    preemptions = counter(llm, "vllm:num_preemptions") - preemptions
+    first = "def main():\n    "
+    seeded = [SamplingParams(temperature=HOT, max_tokens=3, seed=i) for i in range(NUM_SAMPLES)]
+    samples = llm.generate([first] * NUM_SAMPLES, seeded, use_tqdm=False)
+    ids = lambda outs: [list(o.outputs[0].token_ids) for o in outs]  # noqa: E731
+    return {
+        "concurrent": ids(concurrent),
+        "serial": ids(serial),
+        "prefixed": ids(prefixed),
+        "preempted": ids(long_requests),
+        "samples": ids(samples),
+        "spec": counters_since(before, after),
+        "preemptions": preemptions,
+        "longest_prompt": max(len(o.prompt_token_ids) for o in concurrent),
+        "prefix_cache_hits": counter(llm, "vllm:prefix_cache_hits"),
+        "num_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+    }
+
+
+@pytest.fixture(scope="module")
+def plain(demo_base, prompts, shared_prefix_prompts):
+    llm = make_llm(demo_base, **ENGINE)
+    result = run_all(llm, prompts, shared_prefix_prompts)
+    cold = [SamplingParams(temperature=COLD, max_tokens=3, seed=i) for i in range(NUM_SAMPLES)]
+    result["cold_samples"] = [list(o.outputs[0].token_ids)
+                              for o in llm.generate(["def main():\n    "] * NUM_SAMPLES, cold, use_tqdm=False)]
+    shutdown(llm)
+    return result
+
+
+@pytest.fixture(scope="module", params=["clover", "clp", "medusa"])
+def speculated(request, demo_base, prompts, shared_prefix_prompts, plain):
+    llm = make_llm(demo_base, speculative_config=speculative(request.param), **ENGINE)
+    result = run_all(llm, prompts, shared_prefix_prompts)
+    shutdown(llm)
+    return request.param, result
+
+
+def mismatched(a: list[list[int]], b: list[list[int]]) -> list[int]:
+    return [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+
+
+def test_the_engine_settings_exercise_the_hard_cases(plain, speculated):
+    _, result = speculated
+    for run in (plain, result):
+        assert run["preemptions"] > 0
+        assert run["prefix_cache_hits"] > 0
+        assert run["longest_prompt"] > ENGINE["max_num_batched_tokens"]
+    # Room for >= 32 median requests (~3 blocks each) running at once.
+    assert min(plain["num_blocks"], result["num_blocks"]) >= 32 * 3
+
+
+def test_concurrent_greedy_outputs_equal_plain_decoding(plain, speculated):
+    method, result = speculated
+    assert result["spec"]["draft_tokens"] > 0, f"{method} drafted nothing"
+    assert mismatched(result["concurrent"], plain["concurrent"]) == []
+
+
+def test_one_request_at_a_time_equals_plain_decoding(plain, speculated):
+    _, result = speculated
+    assert mismatched(result["serial"], plain["serial"]) == []
+
+
+def test_shared_prefix_from_the_prefix_cache_equals_plain_decoding(plain, speculated):
+    _, result = speculated
+    assert mismatched(result["prefixed"], plain["prefixed"]) == []
+
+
+def test_preempted_long_requests_equal_plain_decoding(plain, speculated):
+    _, result = speculated
+    assert mismatched(result["preempted"], plain["preempted"]) == []
+
+
+def test_clover_accepts_more_than_half_a_token_per_step(speculated):
+    method, result = speculated
+    if method != "clover":
+        pytest.skip("the acceptance floor is Clover's")
+    spec = result["spec"]
+    mean_acceptance_length = 1 + spec["accepted"] / spec["drafts"]
+    assert mean_acceptance_length > 1.5, spec
+    assert sum(spec["accepted_per_pos"]) == spec["accepted"]
+
+
+def chi_square_p_value(a: list[int], b: list[int]) -> float:
+    """Two-sample chi-square test of homogeneity; categories expected < 5 times are pooled."""
+    tokens = sorted(set(a) | set(b))
+    counts = torch.tensor([[a.count(t), b.count(t)] for t in tokens], dtype=torch.float64)
+    expected = counts.sum(1, keepdim=True) * counts.sum(0, keepdim=True) / counts.sum()
+    rare = expected.min(1).values < 5
+    if rare.any():
+        counts = torch.cat([counts[~rare], counts[rare].sum(0, keepdim=True)])
+        expected = counts.sum(1, keepdim=True) * counts.sum(0, keepdim=True) / counts.sum()
+    statistic = ((counts - expected) ** 2 / expected).sum()
+    dof = counts.shape[0] - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic / 2))
+
+
+def test_sampling_at_temperature_keeps_the_distribution(request, plain, speculated):
+    """Tokens 2 and 3 of each sample were verified drafts or recovered tokens: their
+    distribution must match plain sampling. The same test must tell temperature 0.8 from
+    0.6, or it could not catch a biased sampler either."""
+    method, result = speculated
+    if method == "medusa":  # vLLM's own proposer: our CPU fix is scoped to engines running our drafts
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "vLLM 0.32 CPU bug: the expand_kernel fallback leaves per-token temperatures "
+            "uninitialised (patches.py: cpu_expand_float_params)")))
+    for position in (1, 2):
+        ours = [s[position] for s in result["samples"]]
+        theirs = [s[position] for s in plain["samples"]]
+        assert chi_square_p_value(ours, theirs) > 1e-3
+    colder = [s[1] for s in plain["cold_samples"]]
+    assert chi_square_p_value([s[1] for s in plain["samples"]], colder) < 1e-3

@@ -1,0 +1,150 @@
+"""What users write in speculative_config, as vLLM's own config code sees it (no engine).
+
+These go through `EngineArgs.create_engine_config`, the call `LLM(...)` and `vllm serve`
+make before starting any process, so the errors here are the ones users get.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from vllm.engine.arg_utils import EngineArgs
+
+import vllm_clover
+from conftest import DEMO_HEADS, ENGINE_DEFAULTS, speculative
+from vllm_clover.checkpoint import CheckpointError
+from vllm_clover.patches import PATCHES, MARKER, Patch, VllmInternalsChanged, point_mass_on_drafts
+from vllm_clover.spec_config import SERVING_ATTR, resolve
+
+
+def engine_config(base, spec):
+    return EngineArgs(model=str(base), speculative_config=spec, **ENGINE_DEFAULTS).create_engine_config()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugin_loaded():
+    vllm_clover.register()  # what vLLM's plugin loader does in every process
+
+
+@pytest.fixture
+def heads_copy(tmp_path):
+    def copy(method):
+        dest = tmp_path / method
+        shutil.copytree(DEMO_HEADS / method, dest)
+        return dest
+    return copy
+
+
+@pytest.mark.parametrize("method,arch,trust", [("clover", "CloverDraftModel", False),
+                                               ("clp", "ClpDraftModel", False),
+                                               ("clp-trust", "ClpDraftModel", True)])
+def test_our_method_names_ride_the_medusa_carrier(demo_base, method, arch, trust):
+    config = engine_config(demo_base, speculative(method))
+    spec = config.speculative_config
+    assert spec.method == "medusa"
+    assert spec.num_speculative_tokens == 4
+    assert spec.draft_model_config.architectures == [arch]
+    assert getattr(spec.draft_model_config.hf_config, SERVING_ATTR) == {
+        "method": method.removesuffix("-trust"), "trust_drafts": trust}
+    # GPUs default to Model Runner V2, where our runner hook does not exist; vLLM falls back
+    # to the V1 runner for the features it lists here, and our methods must stay on that list.
+    assert "speculative method 'medusa'" in config._get_v2_model_runner_unsupported_features()
+    assert config.scheduler_config.async_scheduling is False  # per-request draft lengths need sync
+
+
+def test_method_can_be_omitted_and_k_defaults_to_the_head_count(demo_base):
+    spec = engine_config(demo_base, {"model": str(DEMO_HEADS / "clover")}).speculative_config
+    assert spec.method == "medusa" and spec.num_speculative_tokens == 4
+    assert getattr(spec.draft_model_config.hf_config, SERVING_ATTR)["method"] == "clover"
+
+
+def test_medusa_heads_go_to_vllms_own_medusa(demo_base):
+    spec = engine_config(demo_base, speculative("medusa")).speculative_config
+    assert spec.draft_model_config.architectures == ["MedusaModel"]
+    assert not hasattr(spec.draft_model_config.hf_config, SERVING_ATTR)
+
+
+def test_specs_that_are_not_ours_pass_through_untouched(demo_base):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    assert resolve(spec, str(demo_base)) == (spec, None)
+    assert engine_config(demo_base, dict(spec)).speculative_config.method == "ngram"
+
+
+def test_too_many_speculative_tokens(demo_base):
+    with pytest.raises(CheckpointError, match=r"num_speculative_tokens is 6, but .*clover has 4 draft heads"):
+        engine_config(demo_base, speculative("clover", k=6))
+
+
+def test_method_and_heads_must_agree(demo_base):
+    with pytest.raises(CheckpointError, match=r"method 'clover' needs clover heads, but .* holds clp heads"):
+        engine_config(demo_base, {**speculative("clp"), "method": "clover"})
+
+
+def test_heads_for_another_base(demo_base, heads_copy):
+    heads = heads_copy("clover")
+    config = json.loads((heads / "config.json").read_text())
+    config["vllm_clover"]["base"]["lm_head_sha256"] = "0" * 64
+    (heads / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="trained for another base model: lm_head_sha256"):
+        engine_config(demo_base, {"method": "clover", "model": str(heads)})
+
+
+def test_missing_tensor(demo_base, heads_copy):
+    from vllm import LLM
+
+    heads = heads_copy("clp")
+    tensors = load_file(heads / "model.safetensors")
+    del tensors["length.weight"]
+    save_file(tensors, heads / "model.safetensors")
+    # Through LLM(...) itself: the error comes before any engine process starts.
+    with pytest.raises(CheckpointError, match=r"tensor 'length.weight' missing from .*clp/model.safetensors"):
+        LLM(model=str(demo_base), speculative_config={"method": "clp", "model": str(heads)}, **ENGINE_DEFAULTS)
+
+
+def test_forcing_model_runner_v2_is_refused(demo_base, monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(CheckpointError, match="unset it"):
+        engine_config(demo_base, speculative("clover"))
+
+
+def test_every_patch_is_applied_once_and_named():
+    for patch in PATCHES:
+        method = patch.original()
+        assert getattr(method, MARKER) == patch.name
+        patch.apply()  # idempotent: applying again does not wrap twice
+        assert patch.original() is method
+
+
+class _Changed:
+    def create_speculative_config(self, target_model_config):
+        pass
+
+
+def test_a_changed_vllm_signature_is_refused_by_name():
+    patch = Patch("speculative_method_names", f"{__name__}:_Changed.create_speculative_config",
+                  ("self", "target_model_config", "target_parallel_config"), lambda original: original)
+    with pytest.raises(VllmInternalsChanged, match="'speculative_method_names' was written for vLLM 0.32"):
+        patch.apply()
+
+
+def test_cpu_expansion_keeps_float_values():
+    from vllm_clover.patches import CPU_WORKER_PATCHES
+
+    expand = CPU_WORKER_PATCHES[0].wrap(None)
+    temperature = torch.tensor([0.8, 0.0, 1.3])
+    cu_num_tokens = torch.tensor([2, 2, 5])
+    expanded = expand(temperature, cu_num_tokens, 5, replace_from=0.0, replace_to=1.0)
+    assert expanded.tolist() == pytest.approx([0.8, 0.8, 1.3, 1.3, 1.3])
+
+
+def test_trust_mode_makes_each_draft_the_only_choice():
+    logits = torch.randn(5, 7)
+    rows, drafts = torch.tensor([0, 1, 3]), torch.tensor([6, 2, 4])
+    forced = point_mass_on_drafts(logits, rows, drafts)
+    assert forced[rows].argmax(-1).tolist() == drafts.tolist()
+    assert forced[rows].softmax(-1).max(-1).values.tolist() == [1.0, 1.0, 1.0]
+    assert torch.equal(forced[[2, 4]], logits[[2, 4]])  # bonus rows untouched
