@@ -46,6 +46,10 @@ def shared_prefix_prompts(prompts):
     return [prefix + f"\n\ndef variant_{i}(" for i in range(24)]
 
 
+def token_ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
 def run_all(llm, prompts, shared_prefix_prompts) -> dict:
     before = spec_counters(llm)
     concurrent = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -59,13 +63,12 @@ def run_all(llm, prompts, shared_prefix_prompts) -> dict:
     first = "def main():\n    "
     seeded = [SamplingParams(temperature=HOT, max_tokens=3, seed=i) for i in range(NUM_SAMPLES)]
     samples = llm.generate([first] * NUM_SAMPLES, seeded, use_tqdm=False)
-    ids = lambda outs: [list(o.outputs[0].token_ids) for o in outs]  # noqa: E731
     return {
-        "concurrent": ids(concurrent),
-        "serial": ids(serial),
-        "prefixed": ids(prefixed),
-        "preempted": ids(long_requests),
-        "samples": ids(samples),
+        "concurrent": token_ids(concurrent),
+        "serial": token_ids(serial),
+        "prefixed": token_ids(prefixed),
+        "preempted": token_ids(long_requests),
+        "samples": token_ids(samples),
         "spec": counters_since(before, after),
         "preemptions": preemptions,
         "longest_prompt": max(len(o.prompt_token_ids) for o in concurrent),
@@ -79,8 +82,7 @@ def plain(demo_base, prompts, shared_prefix_prompts):
     llm = make_llm(demo_base, **ENGINE)
     result = run_all(llm, prompts, shared_prefix_prompts)
     cold = [SamplingParams(temperature=COLD, max_tokens=3, seed=i) for i in range(NUM_SAMPLES)]
-    result["cold_samples"] = [list(o.outputs[0].token_ids)
-                              for o in llm.generate(["def main():\n    "] * NUM_SAMPLES, cold, use_tqdm=False)]
+    result["cold_samples"] = token_ids(llm.generate(["def main():\n    "] * NUM_SAMPLES, cold, use_tqdm=False))
     shutdown(llm)
     return result
 
@@ -167,3 +169,24 @@ def test_sampling_at_temperature_keeps_the_distribution(request, plain, speculat
         assert chi_square_p_value(ours, theirs) > 1e-3
     colder = [s[1] for s in plain["cold_samples"]]
     assert chi_square_p_value([s[1] for s in plain["samples"]], colder) < 1e-3
+
+
+@pytest.fixture(scope="module")
+def trusted(demo_base, prompts, plain):
+    """CLP's paper mode: the predicted span is accepted without verification."""
+    llm = make_llm(demo_base, speculative_config=speculative("clp-trust"), **ENGINE)
+    before = spec_counters(llm)
+    outputs = token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
+    spec = counters_since(before, spec_counters(llm))
+    shutdown(llm)
+    return outputs, spec
+
+
+def test_trust_mode_accepts_every_draft_and_reports_it(plain, trusted, record_property):
+    outputs, spec = trusted
+    assert spec["draft_tokens"] > 0
+    assert spec["accepted"] == spec["draft_tokens"]   # nothing was verified away
+    assert [len(o) for o in outputs] == [NEW_TOKENS] * NUM_PROMPTS
+    equal = sum(a == b for a, b in zip(outputs, plain["concurrent"], strict=True)) / NUM_PROMPTS
+    record_property("clp_trust_outputs_equal_to_plain", equal)
+    record_property("clp_trust_mean_acceptance_length", 1 + spec["accepted"] / spec["drafts"])

@@ -1,0 +1,50 @@
+"""tensor_parallel_size=2 on the CPU build (multiprocessing executor, one core per rank):
+Clover's augmenting block is sharded like the base's layers and outputs stay exact."""
+
+from __future__ import annotations
+
+import pytest
+from vllm import SamplingParams
+
+from conftest import make_llm, shutdown, spec_counters, speculative
+from vllm_clover_training.stdlib_corpus import heldout_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+def augmenting_qkv_shape(worker):
+    """Runs in each worker (LLM.collective_rpc): the shape of the draft's fused QKV weight."""
+    return tuple(worker.model_runner.drafter.model.augment.self_attn.qkv_proj.weight.shape)
+
+
+@pytest.fixture(scope="module")
+def tp_env():
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")         # a rank per core
+        env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")   # collective_rpc with a function
+        yield
+
+
+@pytest.fixture(scope="module")
+def runs(demo_base, tp_env):
+    prompts = heldout_prompts(32)
+    results = {}
+    for name, spec in (("plain", None), ("clover", speculative("clover"))):
+        llm = make_llm(demo_base, tensor_parallel_size=2, speculative_config=spec, disable_log_stats=False)
+        outputs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        results[name] = {"outputs": outputs, "spec": spec_counters(llm),
+                         "qkv_shapes": llm.collective_rpc(augmenting_qkv_shape) if spec else None}
+        shutdown(llm)
+    return results
+
+
+def test_clover_under_tp2_equals_plain_tp2(runs):
+    assert runs["clover"]["outputs"] == runs["plain"]["outputs"]
+    spec = runs["clover"]["spec"]
+    assert spec["accepted"] > 0 and 1 + spec["accepted"] / spec["drafts"] > 1.5
+
+
+def test_augmenting_block_is_sharded_across_ranks(runs):
+    # Demo base: 4 query heads, 2 KV heads, head_dim 64 -> (4 + 2 + 2) * 64 = 512 rows in
+    # one piece; each of 2 ranks holds (2 + 1 + 1) * 64 = 256 of them.
+    assert runs["clover"]["qkv_shapes"] == [(256, 256), (256, 256)]
