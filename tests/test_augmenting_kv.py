@@ -1,0 +1,96 @@
+"""Clover's augmenting block reads the right paged KV cache in a real engine.
+
+Lossless outputs cannot show this (vLLM verifies every draft, so wrong drafts only cost
+speed). Here each augmented state h_0 the engine drafted from is recorded in the worker
+and compared with the vLLM-free CloverHeads.augmented over the request's whole token
+history, computed from scratch with transformers. The engine prefills in 64-token chunks,
+is preempted (its KV freed and recomputed), and serves repeated prompts from the prefix
+cache, so all three paths must write and read the block's KV exactly where the base's is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from vllm import SamplingParams
+
+from conftest import DEMO_HEADS, counter, make_llm, shutdown, speculative
+from vllm_clover.checkpoint import build_heads_module, load_heads
+from vllm_clover_training.stdlib_corpus import heldout_prompts
+from vllm_clover_training.train_heads import load_base
+
+ENGINE = dict(disable_log_stats=False, enable_prefix_caching=True, max_num_seqs=16,
+              max_num_batched_tokens=64, kv_cache_memory_bytes=12 << 20)  # 16 blocks: preempts
+PARAMS = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
+
+
+def start_recording(worker):
+    """Runs in the worker: keep (request id, position, h_0) of every drafted row."""
+    import vllm_clover.proposer as proposer
+
+    model, records = worker.model_runner.drafter.model, []
+    worker.clover_records = records
+    draft_batch, augmented = proposer.draft_batch, model.augmented
+
+    def recording_draft_batch(runner, sampled, *args):
+        batch, rows = draft_batch(runner, sampled, *args)
+        req_ids = [runner.input_batch.req_ids[row] for row in rows]
+        records.append({"req_ids": req_ids, "positions": batch.positions[batch.last_index].tolist(),
+                        "last_index": batch.last_index})
+        return batch, rows
+
+    def recording_augmented(hidden_states, positions):
+        out = augmented(hidden_states, positions)
+        records[-1]["h0"] = out[records[-1].pop("last_index")].clone()
+        return out
+
+    proposer.draft_batch, model.augmented = recording_draft_batch, recording_augmented
+
+
+@pytest.fixture(scope="module")
+def recorded(demo_base):
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with functions
+        llm = make_llm(demo_base, speculative_config=speculative("clover"), **ENGINE)
+        llm.collective_rpc(start_recording)
+        prompts = sorted(heldout_prompts(40), key=len)[-12:]  # the longest: many chunks
+        outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
+        repeated = llm.generate(prompts[-2:], PARAMS, use_tqdm=False)  # the last to finish: still cached
+        stats = {"preemptions": counter(llm, "vllm:num_preemptions"),
+                 "prefix_cache_hits": counter(llm, "vllm:prefix_cache_hits")}
+        records = llm.collective_rpc(lambda worker: worker.clover_records)[0]
+        shutdown(llm)
+    sequences = {o.request_id: o.prompt_token_ids + list(o.outputs[0].token_ids) for o in outputs + repeated}
+    return records, sequences, stats
+
+
+def test_the_engine_chunked_preempted_and_hit_the_cache(recorded):
+    _, _, stats = recorded
+    assert stats["preemptions"] > 0
+    assert stats["prefix_cache_hits"] > 0
+
+
+def test_augmented_states_equal_a_from_scratch_reference(recorded, demo_base):
+    records, sequences, _ = recorded
+    config, tensors = load_heads(DEMO_HEADS / "clover", demo_base)
+    heads = build_heads_module(Path(DEMO_HEADS / "clover"), config, tensors).eval()
+    base, _ = load_base(demo_base, "float32")
+    reference = {}
+    for req_id, tokens in sequences.items():
+        ids = torch.tensor([tokens])
+        with torch.no_grad():
+            reference[req_id] = heads.augmented(base.hidden_states(ids), torch.arange(len(tokens))[None])[0]
+    checked, worst = 0, 0.0
+    for record in records:
+        for req_id, position, h0 in zip(record["req_ids"], record["positions"], record["h0"]):
+            # The engine appends "-<8 random chars>" to the id LLM.generate reports.
+            states = reference[req_id.rsplit("-", 1)[0]]
+            if position >= len(states):  # drafted past max_tokens in the last step: output was cut
+                continue
+            expected = states[position]
+            worst = max(worst, float((h0 - expected).abs().max()))
+            checked += 1
+    assert checked > 500
+    assert worst < 2e-3, f"max |h0 - reference| = {worst} over {checked} drafted rows"
