@@ -49,7 +49,7 @@ def test_our_method_names_ride_the_medusa_carrier(demo_base, method, arch, trust
     assert spec.num_speculative_tokens == 4
     assert spec.draft_model_config.architectures == [arch]
     assert getattr(spec.draft_model_config.hf_config, SERVING_ATTR) == {
-        "method": method.removesuffix("-trust"), "trust_drafts": trust}
+        "method": method.removesuffix("-trust"), "trust_drafts": trust, "clp_tau": None}
     # GPUs default to Model Runner V2, where our runner hook does not exist; vLLM falls back
     # to the V1 runner for the features it lists here, and our methods must stay on that list.
     assert "speculative method 'medusa'" in config._get_v2_model_runner_unsupported_features()
@@ -72,6 +72,15 @@ def test_specs_that_are_not_ours_pass_through_untouched(demo_base):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     assert resolve(spec, str(demo_base)) == (spec, None)
     assert engine_config(demo_base, dict(spec)).speculative_config.method == "ngram"
+
+
+def test_clp_threshold_can_be_set_per_engine(demo_base):
+    spec = engine_config(demo_base, {**speculative("clp"), "clp_tau": 0.3}).speculative_config
+    assert getattr(spec.draft_model_config.hf_config, SERVING_ATTR)["clp_tau"] == 0.3
+    with pytest.raises(CheckpointError, match=r"clp_tau must be a number in \(0, 1\], got 2"):
+        engine_config(demo_base, {**speculative("clp"), "clp_tau": 2})
+    with pytest.raises(CheckpointError, match="clp_tau is an option of CLP heads, not of clover heads"):
+        engine_config(demo_base, {**speculative("clover"), "clp_tau": 0.3})
 
 
 def test_too_many_speculative_tokens(demo_base):

@@ -10,6 +10,7 @@ model runner that our proposer hook lives in.
     {"method": "clover",    "model": HEADS, "num_speculative_tokens": K}
     {"method": "clp",       "model": HEADS}   verified: output equals plain decoding
     {"method": "clp-trust", "model": HEADS}   the CLP paper's mode: drafts accepted unverified (lossy)
+    {"method": "clp", "model": HEADS, "clp_tau": 0.3}   CLP with another threshold than the checkpoint's
     {"model": HEADS} or {"method": "medusa", ...} with our heads: the checkpoint's method
 
 Everything that can be wrong with a heads directory is checked here, in the process that
@@ -36,8 +37,14 @@ SERVING_ATTR = "vllm_clover_serving"
 
 @dataclass(frozen=True)
 class ServingOptions:
-    method: str          # "clover" | "clp" (what the checkpoint holds)
-    trust_drafts: bool   # accept drafts without verification (CLP paper mode)
+    method: str                 # "clover" | "clp" (what the checkpoint holds)
+    trust_drafts: bool          # accept drafts without verification (CLP paper mode)
+    clp_tau: float | None = None  # CLP's length threshold; None: the checkpoint's
+
+
+# Our keys in speculative_config; vLLM's SpeculativeConfig forbids unknown keys, so they
+# are taken out before it sees the dict.
+OUR_KEYS = ("clp_tau",)
 
 
 def our_heads_config(model: object) -> dict | None:
@@ -60,6 +67,8 @@ def resolve(spec: dict, target_model: str) -> tuple[dict, ServingOptions | None]
     method = spec.get("method")
     if method not in METHODS and not (method in (None, CARRIER) and our_heads_config(spec.get("model"))):
         return spec, None
+    ours = {key: spec[key] for key in OUR_KEYS if key in spec}
+    spec = {key: value for key, value in spec.items() if key not in OUR_KEYS}
     heads_dir = spec.get("model")
     if not heads_dir:
         raise CheckpointError(f'speculative_config method {method!r} needs "model": a heads directory '
@@ -74,10 +83,22 @@ def resolve(spec: dict, target_model: str) -> tuple[dict, ServingOptions | None]
     build_heads_module(heads_dir, config, tensors)  # every tensor present, with its shape
     check_num_speculative_tokens(spec, config, heads_dir)
     if found == CARRIER:
+        check_tau(ours, found)
         return spec, None  # our Medusa heads are in vLLM's format: its own proposer runs them
     check_runner()
     trust = METHODS.get(method, (found, False))[1]
-    return {**spec, "method": CARRIER}, ServingOptions(found, trust)
+    return {**spec, "method": CARRIER}, ServingOptions(found, trust, check_tau(ours, found))
+
+
+def check_tau(ours: dict, method: str) -> float | None:
+    tau = ours.get("clp_tau")
+    if tau is None:
+        return None
+    if method != "clp":
+        raise CheckpointError(f"clp_tau is an option of CLP heads, not of {method} heads")
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 < tau <= 1:
+        raise CheckpointError(f"clp_tau must be a number in (0, 1], got {tau!r}")
+    return float(tau)
 
 
 def check_num_speculative_tokens(spec: dict, config: dict, heads_dir: Path) -> None:

@@ -175,7 +175,8 @@ class ClpDraftModel(DraftModel):
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__(vllm_config, prefix)
         hidden_size = vllm_config.speculative_config.draft_model_config.hf_config.hidden_size
-        self.heads = ClpHeads(self.hyper["num_heads"], hidden_size, tau=self.hyper["tau"])
+        tau = self.options.clp_tau if self.options.clp_tau is not None else self.hyper["tau"]
+        self.heads = ClpHeads(self.hyper["num_heads"], hidden_size, tau=tau)
 
     def checkpoint_shapes(self) -> dict[str, torch.Size]:
         return _module_shapes(self.heads)
