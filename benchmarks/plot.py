@@ -1,0 +1,118 @@
+"""PNG plots of a benchmarks.run results file, plus the per-head accuracy ablation of the
+bundled heads (their eval-heldout.json files).
+
+    python -m benchmarks.plot benchmarks/results/results.json --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+HEADS = REPO / "assets" / "demo-heads"
+ABLATIONS = {  # label -> eval-heldout.json of the bundled heads and the Clover ablations
+    "Medusa": HEADS / "medusa" / "eval-heldout.json",
+    "CLP heads": HEADS / "clp" / "eval-heldout.json",
+    "Clover, no regressive": HEADS / "ablations" / "no-regressive.json",
+    "Clover, no augmenting block": HEADS / "ablations" / "no-augmenting-block.json",
+    "Clover, MLP regressive": HEADS / "ablations" / "mlp-regressive.json",
+    "Clover": HEADS / "clover" / "eval-heldout.json",
+}
+
+
+def by_method(results: dict, key: str) -> dict[str, tuple[list[int], list[float]]]:
+    series = {}
+    for method, by_batch in results.items():
+        points = sorted((int(b), r[key]) for b, r in by_batch.items() if key in r)
+        if points:
+            series[method] = ([b for b, _ in points], [v for _, v in points])
+    return series
+
+
+def line_plot(series, ylabel: str, title: str, path: Path, baseline: float | None = None) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for method, (x, y) in series.items():
+        ax.plot(x, y, marker="o", label=method)
+    if baseline is not None:
+        ax.axhline(baseline, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (concurrent requests)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def acceptance_plot(results: dict, path: Path) -> None:
+    """Acceptance rate per draft position, pooled over batch sizes (drafts don't depend on them)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for method, by_batch in results.items():
+        totals = [r["spec_decode"] for r in by_batch.values() if "spec_decode" in r]
+        if not totals:
+            continue
+        drafts = sum(t["drafts"] for t in totals)
+        per_pos = [sum(t["accepted_per_pos"][i] for t in totals) / drafts for i in range(len(totals[0]["accepted_per_pos"]))]
+        ax.plot(range(1, len(per_pos) + 1), per_pos, marker="o", label=method)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("accepted / drafting steps")
+    ax.set_title("Acceptance rate per position")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def ablation_plot(path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, file in ABLATIONS.items():
+        heads = json.loads(file.read_text())["per_head"]
+        ax.plot(range(1, len(heads) + 1), [100 * h["top5"] for h in heads], marker="o", label=label)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("head")
+    ax.set_ylabel("top-5 accuracy on held-out modules (%)")
+    ax.set_title("Per-head accuracy, demo base, K = 4")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_plots(results_file: Path, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    results = json.loads(results_file.read_text())["results"]
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / name for name in ("throughput.png", "speedup.png", "acceptance.png", "ablation.png")]
+    line_plot(by_method(results, "output_tokens_per_s"), "output tokens/s", "Throughput", paths[0])
+    line_plot(by_method(results, "speedup_over_vanilla"), "speed-up over vanilla", "Speed-up", paths[1], baseline=1.0)
+    acceptance_plot(results, paths[2])
+    ablation_plot(paths[3])
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = parser.parse_args()
+    for path in write_plots(args.results, args.out):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
