@@ -106,7 +106,8 @@ def read_step_timers(worker):
     return totals
 
 
-def spec_counters(llm) -> dict:
+def spec_counters(llm, k: int) -> dict:
+    """vLLM's spec-decode counters; {} without speculative decoding."""
     found = {m.name: m for m in llm.get_metrics()}
     if "vllm:spec_decode_num_drafts" not in found:
         return {}
@@ -114,7 +115,7 @@ def spec_counters(llm) -> dict:
     return {"drafts": found["vllm:spec_decode_num_drafts"].value,
             "draft_tokens": found["vllm:spec_decode_num_draft_tokens"].value,
             "accepted": found["vllm:spec_decode_num_accepted_tokens"].value,
-            "accepted_per_pos": list(per_pos.values) if per_pos else []}
+            "accepted_per_pos": list(per_pos.values) if per_pos else [0] * k}
 
 
 def since(before: dict, after: dict) -> dict:
@@ -159,21 +160,21 @@ def run_method(method: str, args, prompts: list[str], progress) -> dict:
         llm.generate(prompts[: max(args.batch_sizes)], params, use_tqdm=False)  # warm-up, not measured
         by_batch = {}
         for batch_size in args.batch_sizes:
-            by_batch[str(batch_size)] = measure(llm, prompts, batch_size, params)
+            by_batch[str(batch_size)] = measure(llm, prompts, batch_size, params, args.k)
             progress.update(1)
         return by_batch
     finally:
         llm.llm_engine.engine_core.shutdown()
 
 
-def measure(llm, prompts: list[str], batch_size: int, params) -> dict:
+def measure(llm, prompts: list[str], batch_size: int, params, k: int) -> dict:
     llm.collective_rpc(read_step_timers)  # reset
-    before = spec_counters(llm)
+    before = spec_counters(llm, k)
     outputs, start = [], time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         outputs += llm.generate(prompts[i:i + batch_size], params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    spec = since(before, spec_counters(llm))
+    spec = since(before, spec_counters(llm, k))
     timers = llm.collective_rpc(read_step_timers)[0]
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     num_tokens = sum(map(len, tokens))
@@ -186,9 +187,10 @@ def measure(llm, prompts: list[str], batch_size: int, params) -> dict:
         "tokens_per_step": num_tokens / timers["steps"],
         "outputs": tokens,
     }
-    if spec and spec["drafts"]:
-        result["mean_acceptance_length"] = 1 + spec["accepted"] / spec["drafts"]
-        result["acceptance_rate_per_position"] = [a / spec["drafts"] for a in spec["accepted_per_pos"]]
+    if spec:  # a speculative method (CLP may not have drafted at all: then 1.0 and zeros)
+        drafts = max(spec["drafts"], 1)
+        result["mean_acceptance_length"] = 1 + spec["accepted"] / drafts
+        result["acceptance_rate_per_position"] = [a / drafts for a in spec["accepted_per_pos"]]
         result["spec_decode"] = spec
     return result
 
@@ -245,7 +247,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, summary: bool = True) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     # The step timers are functions sent to vLLM's workers, which vLLM only accepts with this set.
@@ -269,7 +271,8 @@ def main(argv: list[str] | None = None) -> dict:
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(report, indent=1) + "\n")
     tmp.replace(args.out)
-    print_summary(report)
+    if summary:
+        print_summary(report)
     return report
 
 

