@@ -10,16 +10,10 @@ import argparse
 import json
 from pathlib import Path
 
+from vllm_clover_training.accuracy_table import ROWS as ABLATIONS
+
 REPO = Path(__file__).resolve().parents[1]
 HEADS = REPO / "assets" / "demo-heads"
-ABLATIONS = {  # label -> eval-heldout.json of the bundled heads and the Clover ablations
-    "Medusa": HEADS / "medusa" / "eval-heldout.json",
-    "CLP heads": HEADS / "clp" / "eval-heldout.json",
-    "Clover, no regressive": HEADS / "ablations" / "no-regressive.json",
-    "Clover, no augmenting block": HEADS / "ablations" / "no-augmenting-block.json",
-    "Clover, MLP regressive": HEADS / "ablations" / "mlp-regressive.json",
-    "Clover": HEADS / "clover" / "eval-heldout.json",
-}
 
 
 def by_method(results: dict, key: str) -> dict[str, tuple[list[int], list[float]]]:
@@ -77,8 +71,9 @@ def ablation_plot(path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for label, file in ABLATIONS.items():
-        heads = json.loads(file.read_text())["per_head"]
+    for label, relative in ABLATIONS:  # the README's head-accuracy table, as lines
+        heads = json.loads((HEADS / relative).read_text())["per_head"]
+        label = label.strip("*")
         ax.plot(range(1, len(heads) + 1), [100 * h["top5"] for h in heads], marker="o", label=label)
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("head")

@@ -184,7 +184,7 @@ def measure(llm, prompts: list[str], batch_size: int, params, k: int) -> dict:
         "output_tokens_per_s": num_tokens / seconds,
         "requests_per_s": len(prompts) / seconds,
         "draft_time_fraction": timers["draft"] / (timers["execute"] + timers["sample"]),
-        "tokens_per_step": num_tokens / timers["steps"],
+        "tokens_per_step": num_tokens / timers["steps"],  # all requests of the batch together
         "outputs": tokens,
     }
     if spec:  # a speculative method (CLP may not have drafted at all: then 1.0 and zeros)
