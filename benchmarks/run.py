@@ -210,6 +210,16 @@ def compare_with_vanilla(results: dict) -> None:
             result["speedup_over_vanilla"] = result["output_tokens_per_s"] / vanilla[batch]["output_tokens_per_s"]
 
 
+def fingerprint_outputs(results: dict) -> None:
+    """Replace token lists (megabytes at full size) by a short hash per prompt, after comparing."""
+    import hashlib
+
+    for by_batch in results.values():
+        for result in by_batch.values():
+            result["output_sha256"] = [hashlib.sha256(json.dumps(t).encode()).hexdigest()[:16]
+                                       for t in result.pop("outputs")]
+
+
 def environment(argv: list[str]) -> dict:
     import torch
     import vllm
@@ -267,6 +277,7 @@ def main(argv: list[str] | None = None, summary: bool = True) -> dict:
                 report["failed"][method] = f"{type(e).__name__}: {e}"
                 print(f"\n{method} failed: {report['failed'][method]}", file=sys.stderr)
     compare_with_vanilla(report["results"])
+    fingerprint_outputs(report["results"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(report, indent=1) + "\n")
