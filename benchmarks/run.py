@@ -153,7 +153,8 @@ def run_method(method: str, args, prompts: list[str], progress) -> dict:
 
     llm = LLM(model=str(args.base_model), speculative_config=speculative_config(method, args.heads_dir, args.k),
               dtype=args.dtype, max_model_len=args.max_model_len, seed=0, disable_log_stats=False,
-              max_num_seqs=max(args.batch_sizes), kv_cache_memory_bytes=args.kv_cache_mb << 20)
+              max_num_seqs=max(args.batch_sizes), kv_cache_memory_bytes=args.kv_cache_mb << 20,
+              enforce_eager=args.enforce_eager)
     try:
         llm.collective_rpc(install_step_timers)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
@@ -247,6 +248,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--kv-cache-mb", type=int, default=1024)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no torch.compile: engines start in ~25 s instead of ~60 s on 2 cores, run slower")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     args.methods = args.methods.split(",")
