@@ -53,7 +53,7 @@ def acceptance_plot(results: dict, path: Path) -> None:
         totals = [r["spec_decode"] for r in by_batch.values() if "spec_decode" in r]
         if not totals:
             continue
-        drafts = sum(t["drafts"] for t in totals)
+        drafts = max(sum(t["drafts"] for t in totals), 1)  # CLP may not draft in a tiny run
         per_pos = [sum(t["accepted_per_pos"][i] for t in totals) / drafts for i in range(len(totals[0]["accepted_per_pos"]))]
         ax.plot(range(1, len(per_pos) + 1), per_pos, marker="o", label=method)
     ax.xaxis.get_major_locator().set_params(integer=True)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Serve the bundled base model with Clover speculative decoding on an OpenAI-compatible API.
 #   examples/serve_clover.sh [PORT]        then: python examples/query_server.py --port PORT
+# --kv-cache-memory-bytes: on CPU, vLLM otherwise reserves 92% of RAM for the KV cache.
 # With your own model: replace the model path and the heads directory ("model" below) with a
 # base model and the heads vllm-clover-train wrote for it.
 set -euo pipefail
@@ -16,5 +17,6 @@ exec "${VLLM[@]}" serve assets/demo-base \
     --port "$PORT" \
     --dtype float32 \
     --max-model-len 1024 \
+    --kv-cache-memory-bytes 536870912 \
     --chat-template examples/transcript.jinja \
     --speculative-config "$SPEC"

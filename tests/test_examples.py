@@ -52,7 +52,7 @@ def test_train_clover_heads(tmp_path):
 
 
 def test_compare_methods_writes_complete_results(tmp_path):
-    run(str(EXAMPLES / "compare_methods.sh"), str(tmp_path), "3", "16", "1,2")
+    run(str(EXAMPLES / "compare_methods.sh"), str(tmp_path), "3", "16", "1,2", "--enforce-eager")
     report = json.loads((tmp_path / "results.json").read_text())
     assert report["failed"] == {} and report["versions"]["vllm"].startswith("0.32")
     assert set(report["results"]) == set(LOSSLESS)
