@@ -25,16 +25,16 @@ def by_method(results: dict, key: str) -> dict[str, tuple[list[int], list[float]
     return series
 
 
-def line_plot(series, ylabel: str, title: str, path: Path, baseline: float | None = None) -> None:
+def new_axes():
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for method, (x, y) in series.items():
-        ax.plot(x, y, marker="o", label=method)
-    if baseline is not None:
-        ax.axhline(baseline, color="grey", linewidth=0.8, linestyle="--")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size (concurrent requests)")
+    return plt.subplots(figsize=(6.4, 4.2))
+
+
+def save(fig, ax, xlabel: str, ylabel: str, title: str, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=8)
@@ -44,11 +44,19 @@ def line_plot(series, ylabel: str, title: str, path: Path, baseline: float | Non
     plt.close(fig)
 
 
+def line_plot(series, ylabel: str, title: str, path: Path, baseline: float | None = None) -> None:
+    fig, ax = new_axes()
+    for method, (x, y) in series.items():
+        ax.plot(x, y, marker="o", label=method)
+    if baseline is not None:
+        ax.axhline(baseline, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xscale("log", base=2)
+    save(fig, ax, "batch size (concurrent requests)", ylabel, title, path)
+
+
 def acceptance_plot(results: dict, path: Path) -> None:
     """Acceptance rate per draft position, pooled over batch sizes (drafts don't depend on them)."""
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = new_axes()
     for method, by_batch in results.items():
         totals = [r["spec_decode"] for r in by_batch.values() if "spec_decode" in r]
         if not totals:
@@ -57,33 +65,16 @@ def acceptance_plot(results: dict, path: Path) -> None:
         per_pos = [sum(t["accepted_per_pos"][i] for t in totals) / drafts for i in range(len(totals[0]["accepted_per_pos"]))]
         ax.plot(range(1, len(per_pos) + 1), per_pos, marker="o", label=method)
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("accepted / drafting steps")
-    ax.set_title("Acceptance rate per position")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, ax, "draft position", "accepted / drafting steps", "Acceptance rate per position", path)
 
 
 def ablation_plot(path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = new_axes()
     for label, relative in ABLATIONS:  # the README's head-accuracy table, as lines
         heads = json.loads((HEADS / relative).read_text())["per_head"]
-        label = label.strip("*")
-        ax.plot(range(1, len(heads) + 1), [100 * h["top5"] for h in heads], marker="o", label=label)
+        ax.plot(range(1, len(heads) + 1), [100 * h["top5"] for h in heads], marker="o", label=label.strip("*"))
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("head")
-    ax.set_ylabel("top-5 accuracy on held-out modules (%)")
-    ax.set_title("Per-head accuracy, demo base, K = 4")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, ax, "head", "top-5 accuracy on held-out modules (%)", "Per-head accuracy, demo base, K = 4", path)
 
 
 def write_plots(results_file: Path, out: Path) -> list[Path]:
