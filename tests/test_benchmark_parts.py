@@ -1,0 +1,61 @@
+"""The benchmark's pieces that need no engine: prompt sources, metrics, report and plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import plot, report
+from benchmarks.run import load_prompts, repetition_ratio, token_mismatches
+from conftest import REPO
+
+RESULTS = REPO / "benchmarks" / "results" / "results.json"
+SPEC_BENCH = REPO.parent / "shared" / "data" / "spec_bench_questions.jsonl"
+
+
+def test_prompt_sources(tmp_path):
+    assert load_prompts("humaneval", 3)[0].startswith("from typing import List")
+    assert len(load_prompts("heldout", 5)) == 5
+    lines = [{"prompt": "def f():"}, {"turns": ["Write a haiku.", "Another."]}]
+    (tmp_path / "p.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    assert load_prompts(str(tmp_path / "p.jsonl"), 10) == ["def f():", "Write a haiku."]
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\n{"question": "y"}\n')
+    with pytest.raises(SystemExit, match=r"bad.jsonl:2: expected a \"prompt\" string .* found keys \['question'\]"):
+        load_prompts(str(tmp_path / "bad.jsonl"), 10)
+
+
+@pytest.mark.skipif(not SPEC_BENCH.exists(), reason="the shared Spec-Bench copy is not next to this checkout")
+def test_spec_bench_file():
+    assert len(load_prompts(str(SPEC_BENCH), 480)) == 480
+
+
+def test_metrics():
+    assert repetition_ratio([1, 2, 3, 4, 5, 6]) == 0.0
+    assert repetition_ratio([7, 7, 7, 7, 7, 7]) == pytest.approx(2 / 3)  # 3 four-grams, 2 seen before
+    assert token_mismatches([[1, 2, 3], [1, 2]], [[1, 2, 3], [1, 9, 3]]) == [0, 2]
+
+
+def test_report_and_plots_from_the_committed_results(tmp_path):
+    results = json.loads(RESULTS.read_text())
+    text = report.markdown(results, RESULTS.relative_to(REPO))
+    for method in results["results"]:
+        assert f"| {method} |" in text
+    assert "| method | batch 1 | batch 4 | batch 8 | batch 16 | batch 32 | batch 64 |" in text
+    readme = (REPO / "README.md").read_text()
+    assert text in readme, "README Results section is stale: rerun python -m benchmarks.report ... --readme README.md"
+    paths = plot.write_plots(RESULTS, tmp_path)
+    assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+def test_a_failing_method_is_reported_and_the_run_completes(tmp_path, monkeypatch):
+    from benchmarks import run
+
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # run.main sets it; restored after the test
+    out = tmp_path / "results.json"
+    result = run.main(["--methods", "clover,clp", "--batch-sizes", "1", "--num-prompts", "1", "--max-tokens", "4",
+                       "--heads-dir", str(tmp_path / "missing"), "--out", str(out)])
+    assert set(result["failed"]) == {"clover", "clp"}
+    assert "no config.json in heads directory" in result["failed"]["clover"]
+    assert json.loads(out.read_text())["failed"] == result["failed"]
