@@ -24,17 +24,32 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_clover.atomic import atomic_write_text
+from vllm_clover.methods import SERVING_NAMES, TABLE
+from vllm_clover.spec_metrics import counters_since, mean_acceptance_length, spec_decode_counters
+from vllm_clover_training.data import DataError, iter_jsonl
+
 REPO = Path(__file__).resolve().parents[1]
-METHODS = ("vanilla", "ngram", "medusa", "clover", "clp", "clp-trust")
-LOSSLESS = {"vanilla", "ngram", "medusa", "clover", "clp"}
+# Baselines without heads, then every way the method table serves heads -> (table entry,
+# drafts trusted): heads vLLM runs itself under their method's name (medusa), our serving
+# names (clover, clp), and the lossy trusted ones last (clp-trust).
+BASELINES = ("vanilla", "ngram")
+HEADS_METHODS = {
+    **{m.name: (m, False) for m in TABLE if not m.served_by_plugin},
+    **{name: entry for name, entry in SERVING_NAMES.items() if not entry[1]},
+    **{name: entry for name, entry in SERVING_NAMES.items() if entry[1]},
+}
+BENCHMARK_METHODS = (*BASELINES, *HEADS_METHODS)
 
 
 def speculative_config(method: str, heads_dir: Path, k: int) -> dict | None:
+    """The speculative_config of a benchmark method; heads come from heads_dir/<table method>/."""
     if method == "vanilla":
         return None
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    return {"method": method, "model": str(heads_dir / method.removesuffix("-trust")), "num_speculative_tokens": k}
+    heads = HEADS_METHODS[method][0]
+    return {"method": method, "model": str(heads_dir / heads.name), "num_speculative_tokens": k}
 
 
 # ---- prompts ----
@@ -56,20 +71,14 @@ def load_prompts(source: str, n: int) -> list[str]:
 def jsonl_prompts(path: Path, n: int) -> list[str]:
     """Lines {"prompt": ...} or Spec-Bench style {"turns": [first, ...]} (first turn used)."""
     prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"{path}:{number}: not JSON ({e.msg})")
+    for where, record in iter_jsonl(path):
         if isinstance(record.get("prompt"), str):
             prompts.append(record["prompt"])
         elif isinstance(record.get("turns"), list) and record["turns"] and isinstance(record["turns"][0], str):
             prompts.append(record["turns"][0])
         else:
-            raise SystemExit(f'{path}:{number}: expected a "prompt" string or a "turns" list of strings, '
-                             f"found keys {sorted(record)}")
+            raise DataError(f'{where}: expected a "prompt" string or a "turns" list of strings, '
+                            f"found keys {sorted(record)}")
         if len(prompts) == n:
             break
     return prompts
@@ -104,29 +113,6 @@ def read_step_timers(worker):
     totals = dict(worker.benchmark_timers)
     worker.benchmark_timers.update(execute=0.0, sample=0.0, draft=0.0, steps=0)
     return totals
-
-
-def spec_counters(llm, k: int) -> dict:
-    """vLLM's spec-decode counters; {} without speculative decoding."""
-    found = {m.name: m for m in llm.get_metrics()}
-    if "vllm:spec_decode_num_drafts" not in found:
-        return {}
-    per_pos = found.get("vllm:spec_decode_num_accepted_tokens_per_pos")
-    return {"drafts": found["vllm:spec_decode_num_drafts"].value,
-            "draft_tokens": found["vllm:spec_decode_num_draft_tokens"].value,
-            "accepted": found["vllm:spec_decode_num_accepted_tokens"].value,
-            "accepted_per_pos": list(per_pos.values) if per_pos else [0] * k}
-
-
-def since(before: dict, after: dict) -> dict:
-    out = {}
-    for key, value in after.items():
-        if isinstance(value, list):
-            previous = before.get(key) or [0] * len(value)
-            out[key] = [a - b for a, b in zip(value, previous)]
-        else:
-            out[key] = value - before.get(key, 0)
-    return out
 
 
 # ---- quality of unverified outputs ----
@@ -170,12 +156,12 @@ def run_method(method: str, args, prompts: list[str], progress) -> dict:
 
 def measure(llm, prompts: list[str], batch_size: int, params, k: int) -> dict:
     llm.collective_rpc(read_step_timers)  # reset
-    before = spec_counters(llm, k)
+    before = spec_decode_counters(llm, k)
     outputs, start = [], time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         outputs += llm.generate(prompts[i:i + batch_size], params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    spec = since(before, spec_counters(llm, k))
+    spec = counters_since(before, spec_decode_counters(llm, k))
     timers = llm.collective_rpc(read_step_timers)[0]
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     num_tokens = sum(map(len, tokens))
@@ -190,7 +176,7 @@ def measure(llm, prompts: list[str], batch_size: int, params, k: int) -> dict:
     }
     if spec:  # a speculative method (CLP may not have drafted at all: then 1.0 and zeros)
         drafts = max(spec["drafts"], 1)
-        result["mean_acceptance_length"] = 1 + spec["accepted"] / drafts
+        result["mean_acceptance_length"] = mean_acceptance_length(spec)
         result["acceptance_rate_per_position"] = [a / drafts for a in spec["accepted_per_pos"]]
         result["spec_decode"] = spec
     return result
@@ -236,7 +222,7 @@ def environment(argv: list[str]) -> dict:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(BENCHMARK_METHODS))
     parser.add_argument("--batch-sizes", default="1,4,8,16,32,64")
     parser.add_argument("--prompts", default="heldout", help="heldout, humaneval, or a JSONL file")
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -253,9 +239,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     args.methods = args.methods.split(",")
-    unknown = sorted(set(args.methods) - set(METHODS))
+    unknown = sorted(set(args.methods) - set(BENCHMARK_METHODS))
     if unknown:
-        parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+        parser.error(f"unknown methods {unknown}; choose from {', '.join(BENCHMARK_METHODS)}")
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     return args
 
@@ -267,7 +253,10 @@ def main(argv: list[str] | None = None, summary: bool = True) -> dict:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from tqdm import tqdm
 
-    prompts = load_prompts(args.prompts, args.num_prompts)
+    try:
+        prompts = load_prompts(args.prompts, args.num_prompts)
+    except DataError as e:
+        raise SystemExit(f"benchmarks.run: error: {e}") from None
     report = {**environment(argv), "settings": {k: str(v) if isinstance(v, Path) else v
                                                 for k, v in vars(args).items()},
               "num_prompts": len(prompts), "results": {}, "failed": {}}
@@ -282,9 +271,7 @@ def main(argv: list[str] | None = None, summary: bool = True) -> dict:
     compare_with_vanilla(report["results"])
     fingerprint_outputs(report["results"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    tmp.replace(args.out)
+    atomic_write_text(args.out, json.dumps(report, indent=1) + "\n")
     if summary:
         print_summary(report)
     return report

@@ -7,16 +7,18 @@ import argparse
 
 from vllm import LLM, SamplingParams
 
+from vllm_clover.methods import SERVING_NAMES
+from vllm_clover.spec_metrics import mean_acceptance_length, spec_decode_counters
 from vllm_clover_training.stdlib_corpus import heldout_prompts
 
 if __name__ == "__main__":  # vLLM starts worker processes: keep module-level code import-safe
     parser = argparse.ArgumentParser()
-    parser.add_argument("--method", choices=["clover", "clp", "clp-trust"], default="clover")
+    parser.add_argument("--method", choices=list(SERVING_NAMES), default="clover")  # clover, clp, clp-trust
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
 
-    heads = "assets/demo-heads/" + args.method.removesuffix("-trust")
+    heads = "assets/demo-heads/" + SERVING_NAMES[args.method][0].name  # clp-trust serves the CLP heads
     llm = LLM(
         model="assets/demo-base",
         speculative_config={"method": args.method, "model": heads},  # K defaults to the heads' count
@@ -30,7 +32,5 @@ if __name__ == "__main__":  # vLLM starts worker processes: keep module-level co
     for output in outputs[:2]:
         print(output.prompt[-80:] + "\033[1m" + output.outputs[0].text + "\033[0m\n")
 
-    counters = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num")
-                and hasattr(m, "value")}
-    drafts, accepted = counters["vllm:spec_decode_num_drafts"], counters["vllm:spec_decode_num_accepted_tokens"]
-    print(f"{args.method}: {len(outputs)} outputs, mean acceptance length {1 + accepted / max(drafts, 1):.2f}")
+    counters = spec_decode_counters(llm)
+    print(f"{args.method}: {len(outputs)} outputs, mean acceptance length {mean_acceptance_length(counters):.2f}")

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.run import HEADS_METHODS, speculative_config
+
 REPO = Path(__file__).resolve().parents[1]
 # Overridable so a candidate model can be checked before it replaces the bundled one.
 DEMO_BASE = Path(os.environ.get("VLLM_CLOVER_TEST_BASE", REPO / "assets" / "demo-base"))
@@ -40,39 +42,19 @@ def make_llm(model: Path, **overrides):
 
 
 DEMO_HEADS = REPO / "assets" / "demo-heads"
+# Every way a table entry is served, lossless ones only: our verified serving names
+# (clover, clp) and the methods vLLM runs with its own proposer (medusa).
+SERVED_LOSSLESS = [name for name, (_, trusted) in HEADS_METHODS.items() if not trusted]
 
 
 def speculative(method: str, k: int = 4) -> dict:
-    """The speculative_config a user writes for the bundled heads ("clp-trust" uses the CLP heads)."""
-    heads = DEMO_HEADS / method.removesuffix("-trust")
-    return {"method": method, "model": str(heads), "num_speculative_tokens": k}
+    """The speculative_config a user writes for the bundled heads (e.g. "clp-trust" uses the CLP heads)."""
+    return speculative_config(method, DEMO_HEADS, k)
 
 
 def shutdown(llm) -> None:
     """Stop the engine's processes now rather than whenever the garbage collector runs."""
     llm.llm_engine.engine_core.shutdown()
-
-
-def spec_counters(llm, num_positions: int = 4) -> dict | None:
-    """vLLM's spec-decode counters as LLM.get_metrics() reports them (needs
-    disable_log_stats=False); None for an engine without speculative decoding."""
-    found = {m.name: m for m in llm.get_metrics()}
-    if "vllm:spec_decode_num_drafts" not in found:
-        return None
-    per_pos = found.get("vllm:spec_decode_num_accepted_tokens_per_pos")
-    return {
-        "drafts": found["vllm:spec_decode_num_drafts"].value,
-        "draft_tokens": found["vllm:spec_decode_num_draft_tokens"].value,
-        "accepted": found["vllm:spec_decode_num_accepted_tokens"].value,
-        "accepted_per_pos": list(per_pos.values) if per_pos else [0] * num_positions,
-    }
-
-
-def counters_since(before: dict | None, after: dict | None) -> dict | None:
-    if after is None:
-        return None
-    return {k: [a - b for a, b in zip(v, before[k])] if isinstance(v, list) else v - before[k]
-            for k, v in after.items()}
 
 
 def counter(llm, name: str) -> int:

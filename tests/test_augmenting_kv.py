@@ -19,7 +19,7 @@ from vllm import SamplingParams
 from conftest import DEMO_HEADS, counter, make_llm, shutdown, speculative
 from vllm_clover.checkpoint import build_heads_module, load_heads
 from vllm_clover_training.stdlib_corpus import heldout_prompts
-from vllm_clover_training.train_heads import load_base
+from vllm_clover_training.base import load_base
 
 ENGINE = dict(disable_log_stats=False, enable_prefix_caching=True, max_num_seqs=16,
               max_num_batched_tokens=64, kv_cache_memory_bytes=12 << 20)  # 16 blocks: preempts
@@ -30,12 +30,13 @@ def start_recording(worker):
     """Runs in the worker: keep (request id, position, h_0) of every drafted row."""
     import vllm_clover.proposer as proposer
 
-    model, records = worker.model_runner.drafter.model, []
+    runner, records = worker.model_runner, []
+    model = runner.drafter.model
     worker.clover_records = records
     draft_batch, augmented = proposer.draft_batch, model.augmented
 
-    def recording_draft_batch(runner, sampled, *args):
-        batch, rows = draft_batch(runner, sampled, *args)
+    def recording_draft_batch(sampled, *args, **kwargs):
+        batch, rows = draft_batch(sampled, *args, **kwargs)
         req_ids = [runner.input_batch.req_ids[row] for row in rows]
         records.append({"req_ids": req_ids, "positions": batch.positions[batch.last_index].tolist(),
                         "last_index": batch.last_index})

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_clover.clover import CloverConfig, CloverHeads, token_embeddings
-from vllm_clover.layers import DenseLmHead, LlamaDecoderLayer
+from vllm_clover.layers import DenseLmHead
 
 H, V, T, B, K = 64, 97, 12, 3, 4
 
@@ -26,8 +26,12 @@ def inputs():
 
 def test_head_outputs_shrink_by_one_row_per_head(inputs):
     h_base, ids, lm_head = inputs
-    outs = CloverHeads(small_config())(h_base, ids, lm_head)
-    assert [tuple(o.shape) for o in outs] == [(B, T - 1 - i, H) for i in range(1, K + 1)]
+    heads = CloverHeads(small_config())
+    hidden = heads.head_hidden_states(h_base, ids, lm_head)
+    assert [tuple(o.shape) for o in hidden] == [(B, T - 1 - i, H) for i in range(1, K + 1)]
+    logits, length_logits = heads(h_base, ids, lm_head)
+    assert [tuple(o.shape) for o in logits] == [(B, T - 1 - i, V) for i in range(1, K + 1)]
+    assert length_logits is None
 
 
 def test_head_i_at_position_t_sees_exactly_tokens_t_plus_1_to_t_plus_i(inputs):
@@ -37,11 +41,11 @@ def test_head_i_at_position_t_sees_exactly_tokens_t_plus_1_to_t_plus_i(inputs):
     torch.manual_seed(1)
     heads = CloverHeads(small_config())
     heads.decoder.v_proj.weight.data.normal_(0, 0.1)  # so the regressive inputs matter
-    base_out = heads(h_base, ids, lm_head)
+    base_out = heads.head_hidden_states(h_base, ids, lm_head)
     s = 7
     changed = ids.clone()
     changed[:, s] = (changed[:, s] + 1) % V
-    new_out = heads(h_base, changed, lm_head)
+    new_out = heads.head_hidden_states(h_base, changed, lm_head)
     for i, (a, b) in enumerate(zip(base_out, new_out), start=1):
         differs = (a - b).abs().amax(dim=(0, 2)) > 1e-6   # per position t
         expected = torch.tensor([t + 1 <= s <= t + i for t in range(a.shape[1])])
@@ -118,8 +122,8 @@ def test_draft_chain_matches_teacher_forced_heads_on_its_own_tokens(inputs):
 def test_ablations_build_and_run(inputs, regressive, augment):
     h_base, ids, lm_head = inputs
     heads = CloverHeads(small_config(regressive=regressive, augmenting_block=augment))
-    outs = heads(h_base, ids, lm_head)
-    assert len(outs) == K
+    logits, _ = heads(h_base, ids, lm_head)
+    assert len(logits) == K
     assert hasattr(heads, "decoder") == (regressive != "none")
     assert hasattr(heads, "augment") == augment
 

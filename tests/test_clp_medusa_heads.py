@@ -13,13 +13,13 @@ H, V, T, B, K = 32, 50, 10, 2, 3
 
 
 def test_clp_and_medusa_shapes_follow_the_shift():
-    h = torch.randn(B, T, H)
-    clp_out, length_logits = ClpHeads(K, H)(h)
+    h, ids, lm_head = torch.randn(B, T, H), torch.randint(0, V, (B, T)), torch.randn(V, H)
+    clp_out, length_logits = ClpHeads(K, H)(h, ids, lm_head)
     assert length_logits.shape == (B, T, K + 1)
-    medusa_out = MedusaHeads(K, H, V)(h)
-    ids = torch.randint(0, V, (B, T))
+    medusa_out, no_length = MedusaHeads(K, H, V)(h, ids, lm_head)
+    assert no_length is None
     for i in range(1, K + 1):
-        assert clp_out[i - 1].shape == (B, T - 1 - i, H)
+        assert clp_out[i - 1].shape == (B, T - 1 - i, V)
         assert medusa_out[i - 1].shape == (B, T - 1 - i, V)
         assert head_labels(ids, i).shape == (B, T - 1 - i)
     assert torch.equal(head_labels(ids, 2)[:, 0], ids[:, 3])  # head 2 at t=0 predicts x_3
@@ -55,38 +55,37 @@ def test_tau_rule_takes_longest_length_with_enough_probability():
 
 def test_medusa_state_dict_uses_vllm_names():
     medusa = MedusaHeads(K, H, V)
-    names = set(medusa.vllm_state_dict())
+    names = set(medusa.checkpoint_tensors())
     expected = {f"blocks.{i}.layers.0.{p}" for i in range(K) for p in ("weight", "bias")}
     expected |= {f"lm_heads.{i}.weight" for i in range(K)}
     assert names == expected
-    cfg = medusa.vllm_config()
-    assert (cfg["model_type"], cfg["num_heads"], cfg["medusa_fc_bias"]) == ("medusa", K, True)
+    assert medusa.vllm_config() == {"medusa_fc_bias": True}
 
 
 def test_save_load_round_trip_reproduces_every_method(demo_base, tmp_path):
     """What the trainer writes, the loader rebuilds into a module with identical outputs."""
     from vllm_clover import checkpoint
-    from vllm_clover_training.methods import build_heads, checkpoint_hyper, checkpoint_tensors, head_logits
-    from vllm_clover_training.train_heads import load_base
+    from vllm_clover.methods import TABLE
+    from vllm_clover_training.base import load_base
 
     base, _ = load_base(demo_base, "float32")
     ids = torch.randint(0, base.config.vocab_size, (2, 24))
     h_base = base.hidden_states(ids)
-    for method, hyper in [("clover", {"decoder_heads": 4}), ("clp", {"tau": 0.3}), ("medusa", {})]:
+    for method in TABLE:
         torch.manual_seed(0)
-        heads = build_heads(method, base, 3, hyper)
+        hyper = {"tau": 0.3} if method.length_predictor else {}
+        heads = method.heads.from_base(base, 3, hyper)
         for p in heads.parameters():  # move off the (partly zero) init so the check means something
             p.data.add_(0.01 * torch.randn_like(p))
-        out = tmp_path / method
-        checkpoint.save_heads(out, method, 3, base.config.hidden_size, base.config.vocab_size, demo_base,
-                              checkpoint_tensors(method, heads), checkpoint_hyper(method, heads, hyper), {})
+        out = tmp_path / method.name
+        checkpoint.save_heads(out, method, heads, demo_base, {})
         config, tensors = checkpoint.load_heads(out, demo_base)
         loaded = checkpoint.build_heads_module(out, config, tensors)
-        before, _ = head_logits(method, heads, base, h_base, ids)
-        after, _ = head_logits(method, loaded, base, h_base, ids)
-        for a, b in zip(before, after):
-            assert torch.equal(a, b), method
-        if method == "clp":
+        before, _ = heads(h_base, ids, base.lm_head_weight)
+        after, _ = loaded(h_base, ids, base.lm_head_weight)
+        for a, b in zip(before, after, strict=True):
+            assert torch.equal(a, b), method.name
+        if method.length_predictor:
             assert loaded.tau == 0.3
 
 
@@ -94,11 +93,11 @@ def test_missing_or_misshaped_tensor_is_named(demo_base, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from vllm_clover import checkpoint
+    from vllm_clover.methods import BY_NAME
 
     medusa = MedusaHeads(2, 256, 4096)
     out = tmp_path / "m"
-    checkpoint.save_heads(out, "medusa", 2, 256, 4096, demo_base, medusa.vllm_state_dict(),
-                          {"num_heads": 2}, {})
+    checkpoint.save_heads(out, BY_NAME["medusa"], medusa, demo_base, {})
     tensors = load_file(out / "model.safetensors")
     del tensors["blocks.1.layers.0.bias"]
     save_file(tensors, out / "model.safetensors")

@@ -14,7 +14,10 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from conftest import counter, counters_since, make_llm, shutdown, spec_counters, speculative
+from benchmarks.run import HEADS_METHODS
+from conftest import SERVED_LOSSLESS, counter, make_llm, shutdown, speculative
+from vllm_clover.spec_metrics import counters_since, mean_acceptance_length
+from vllm_clover.spec_metrics import spec_decode_counters as spec_counters
 from vllm_clover_training.stdlib_corpus import heldout_prompts
 
 NUM_PROMPTS = 200
@@ -87,7 +90,7 @@ def plain(demo_base, prompts, shared_prefix_prompts):
     return result
 
 
-@pytest.fixture(scope="module", params=["clover", "clp", "medusa"])
+@pytest.fixture(scope="module", params=SERVED_LOSSLESS)  # every table entry, as served
 def speculated(request, demo_base, prompts, shared_prefix_prompts, plain):
     llm = make_llm(demo_base, speculative_config=speculative(request.param), **ENGINE)
     result = run_all(llm, prompts, shared_prefix_prompts)
@@ -135,8 +138,7 @@ def test_clover_accepts_more_than_half_a_token_per_step(speculated):
     if method != "clover":
         pytest.skip("the acceptance floor is Clover's")
     spec = result["spec"]
-    mean_acceptance_length = 1 + spec["accepted"] / spec["drafts"]
-    assert mean_acceptance_length > 1.5, spec
+    assert mean_acceptance_length(spec) > 1.5, spec
     assert sum(spec["accepted_per_pos"]) == spec["accepted"]
 
 
@@ -159,7 +161,7 @@ def test_sampling_at_temperature_keeps_the_distribution(request, plain, speculat
     distribution must match plain sampling. The same test must tell temperature 0.8 from
     0.6, or it could not catch a biased sampler either."""
     method, result = speculated
-    if method == "medusa":  # vLLM's own proposer: our CPU fix is scoped to engines running our drafts
+    if not HEADS_METHODS[method][0].served_by_plugin:  # vLLM's own proposer: our CPU fix is scoped to ours
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
             "vLLM 0.32 CPU bug: the expand_kernel fallback leaves per-token temperatures "
             "uninitialised (patches.py: cpu_expand_float_params)")))
@@ -189,4 +191,4 @@ def test_trust_mode_accepts_every_draft_and_reports_it(plain, trusted, record_pr
     assert [len(o) for o in outputs] == [NEW_TOKENS] * NUM_PROMPTS
     equal = sum(a == b for a, b in zip(outputs, plain["concurrent"], strict=True)) / NUM_PROMPTS
     record_property("clp_trust_outputs_equal_to_plain", equal)
-    record_property("clp_trust_mean_acceptance_length", 1 + spec["accepted"] / spec["drafts"])
+    record_property("clp_trust_mean_acceptance_length", mean_acceptance_length(spec))

@@ -16,8 +16,8 @@ from vllm.engine.arg_utils import EngineArgs
 
 import vllm_clover
 from conftest import DEMO_HEADS, ENGINE_DEFAULTS, speculative
-from vllm_clover.checkpoint import CheckpointError
-from vllm_clover.patches import PATCHES, MARKER, Patch, VllmInternalsChanged, point_mass_on_drafts
+from vllm_clover.errors import CheckpointError, SpecConfigError, VllmCloverError, VllmInternalsChanged
+from vllm_clover.patches import MARKER, PATCHES, RUNNER_READS, Patch, check_runner_reads, point_mass_on_drafts
 from vllm_clover.spec_config import SERVING_ATTR, resolve
 
 
@@ -49,7 +49,7 @@ def test_our_method_names_ride_the_medusa_carrier(demo_base, method, arch, trust
     assert spec.num_speculative_tokens == 4
     assert spec.draft_model_config.architectures == [arch]
     assert getattr(spec.draft_model_config.hf_config, SERVING_ATTR) == {
-        "method": method.removesuffix("-trust"), "trust_drafts": trust, "clp_tau": None}
+        "method": method.removesuffix("-trust"), "trust_drafts": trust, "hyper_overrides": {}}
     # GPUs default to Model Runner V2, where our runner hook does not exist; vLLM falls back
     # to the V1 runner for the features it lists here, and our methods must stay on that list.
     assert "speculative method 'medusa'" in config._get_v2_model_runner_unsupported_features()
@@ -76,20 +76,20 @@ def test_specs_that_are_not_ours_pass_through_untouched(demo_base):
 
 def test_clp_threshold_can_be_set_per_engine(demo_base):
     spec = engine_config(demo_base, {**speculative("clp"), "clp_tau": 0.3}).speculative_config
-    assert getattr(spec.draft_model_config.hf_config, SERVING_ATTR)["clp_tau"] == 0.3
-    with pytest.raises(CheckpointError, match=r"clp_tau must be a number in \(0, 1\], got 2"):
+    assert getattr(spec.draft_model_config.hf_config, SERVING_ATTR)["hyper_overrides"] == {"tau": 0.3}
+    with pytest.raises(SpecConfigError, match=r"clp_tau must be a number in \(0, 1\], got 2"):
         engine_config(demo_base, {**speculative("clp"), "clp_tau": 2})
-    with pytest.raises(CheckpointError, match="clp_tau is an option of CLP heads, not of clover heads"):
+    with pytest.raises(SpecConfigError, match="clp_tau is an option of clp heads, not of clover heads"):
         engine_config(demo_base, {**speculative("clover"), "clp_tau": 0.3})
 
 
 def test_too_many_speculative_tokens(demo_base):
-    with pytest.raises(CheckpointError, match=r"num_speculative_tokens is 6, but .*clover has 4 draft heads"):
+    with pytest.raises(SpecConfigError, match=r"num_speculative_tokens is 6, but .*clover has 4 draft heads"):
         engine_config(demo_base, speculative("clover", k=6))
 
 
 def test_method_and_heads_must_agree(demo_base):
-    with pytest.raises(CheckpointError, match=r"method 'clover' needs clover heads, but .* holds clp heads"):
+    with pytest.raises(SpecConfigError, match=r"method 'clover' needs clover heads, but .* holds clp heads"):
         engine_config(demo_base, {**speculative("clp"), "method": "clover"})
 
 
@@ -116,7 +116,7 @@ def test_missing_tensor(demo_base, heads_copy):
 
 def test_forcing_model_runner_v2_is_refused(demo_base, monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(CheckpointError, match="unset it"):
+    with pytest.raises(SpecConfigError, match="unset it"):
         engine_config(demo_base, speculative("clover"))
 
 
@@ -138,6 +138,20 @@ def test_a_changed_vllm_signature_is_refused_by_name():
                   ("self", "target_model_config", "target_parallel_config"), lambda original: original)
     with pytest.raises(VllmInternalsChanged, match="'speculative_method_names' was written for vLLM 0.32"):
         patch.apply()
+
+
+def test_every_runner_member_the_hook_reads_is_checked():
+    check_runner_reads()  # vLLM 0.32 has them all (apply_all ran this too)
+    gone = (("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "_get_positions_renamed"),)
+    with pytest.raises(VllmInternalsChanged, match=r"reads .*GPUModelRunner._get_positions_renamed"):
+        check_runner_reads(gone)
+    assert ("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "attn_groups") in RUNNER_READS
+
+
+def test_our_errors_share_one_base():
+    for error in (CheckpointError, SpecConfigError, VllmInternalsChanged):
+        assert issubclass(error, VllmCloverError)
+    assert not issubclass(SpecConfigError, CheckpointError)
 
 
 def test_cpu_expansion_keeps_float_values():

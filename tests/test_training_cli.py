@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from vllm_clover import checkpoint
+from vllm_clover.methods import TABLE
 from vllm_clover_training import stdlib_corpus
 from vllm_clover_training.cli import main
 
@@ -38,7 +39,7 @@ def metrics(heads_dir):
     return [json.loads(line) for line in (heads_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("method", ["clover", "clp", "medusa"])
+@pytest.mark.parametrize("method", [m.name for m in TABLE])
 def test_short_run_learns_and_writes_a_loadable_checkpoint(method, demo_base, train_jsonl, tmp_path):
     out = tmp_path / method
     run_cli(method, "--base-model", demo_base, "--data", train_jsonl, "--out", out, "--epochs", "2", *SMALL)

@@ -17,13 +17,15 @@ from pathlib import Path
 
 import torch
 
+from vllm_clover.errors import VllmCloverError
+
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system"}
 CHAT_ROLES = {"system", "user", "assistant"}
 
 
-class DataError(ValueError):
-    pass
+class DataError(VllmCloverError, ValueError):
+    """Training, evaluation or benchmark data that cannot be read; names file and line."""
 
 
 @dataclass(frozen=True)
@@ -33,13 +35,27 @@ class Record:
     messages: tuple[dict, ...] | None = None
 
 
-def _parse_line(line: str, where: str) -> Record:
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(obj, dict):
-        raise DataError(f"{where}: expected a JSON object, found {type(obj).__name__}")
+def iter_jsonl(path: Path):
+    """("file:line", object) for every non-blank line; one DataError naming the line if a
+    line is not a JSON object."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"data file not found: {path}")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{where}: expected a JSON object, found {type(obj).__name__}")
+            yield where, obj
+
+
+def _record(obj: dict, where: str) -> Record:
     if "text" in obj:
         if not isinstance(obj["text"], str) or not obj["text"]:
             raise DataError(f"{where}: field 'text' must be a non-empty string")
@@ -77,14 +93,7 @@ def _sharegpt_messages(turns, where: str) -> tuple[dict, ...]:
 
 
 def read_jsonl(path: Path) -> list[Record]:
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"data file not found: {path}")
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if line.strip():
-                records.append(_parse_line(line, f"{path}:{lineno}"))
+    records = [_record(obj, where) for where, obj in iter_jsonl(path)]
     if not records:
         raise DataError(f"{path}: no records")
     return records

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from vllm_clover.atomic import atomic_write_text
+
 
 def generate_continuations(base_dir: Path, prompts: list[list[int]], new_tokens: int, dtype: str) -> list[list[int]]:
     """prompt + greedy continuation (up to `new_tokens`, stopping at EOS) for every prompt."""
@@ -36,8 +38,6 @@ def distill_jsonl(base_dir: Path, data: list[Path], out: Path, prompt_tokens: in
     records = [r for path in data for r in data_mod.read_jsonl(path)]
     prompts = [data_mod.prompt_ids(r, tokenizer, prompt_tokens) for r in records]
     sequences = generate_continuations(base_dir, prompts, new_tokens, dtype)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text("".join(json.dumps({"text": tokenizer.decode(s, skip_special_tokens=True)}) + "\n"
-                           for s in sequences))
-    tmp.replace(out)
+    atomic_write_text(out, "".join(json.dumps({"text": tokenizer.decode(s, skip_special_tokens=True)}) + "\n"
+                                   for s in sequences))
     return {"records": len(sequences), "tokens": sum(map(len, sequences)), "out": str(out)}

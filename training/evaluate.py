@@ -13,19 +13,22 @@ from pathlib import Path
 
 import torch
 
+from vllm_clover import checkpoint
+from vllm_clover.atomic import atomic_write_text
 from vllm_clover.clp import collocation_lengths, lengths_at_threshold
 from vllm_clover.layers import head_labels
-from vllm_clover_training.methods import FrozenBase, head_logits
+from vllm_clover_training import data as data_mod
+from vllm_clover_training.base import FrozenBase, load_base
 
 TAUS = [round(0.05 * i, 2) for i in range(1, 20)]
 
 
 @torch.no_grad()
-def _predictions(method: str, heads, base: FrozenBase, windows: torch.Tensor, batch_size: int):
+def _predictions(heads, base: FrozenBase, windows: torch.Tensor, batch_size: int):
     """(input_ids, per-head logits, length logits or None) batch by batch."""
     for start in range(0, len(windows), batch_size):
         ids = windows[start : start + batch_size]
-        yield ids, *head_logits(method, heads, base, base.hidden_states(ids), ids)
+        yield ids, *heads(base.hidden_states(ids), ids, base.lm_head_weight)
 
 
 def _length_predictions(length_logits: torch.Tensor, logits: list[torch.Tensor], ids: torch.Tensor):
@@ -39,7 +42,7 @@ def evaluate_module(method: str, heads, base: FrozenBase, windows: torch.Tensor,
     hits = None
     counts = None
     length_probs, length_targets = [], []
-    for ids, logits, length_logits in _predictions(method, heads, base, windows, batch_size):
+    for ids, logits, length_logits in _predictions(heads, base, windows, batch_size):
         if hits is None:
             hits, counts = torch.zeros(len(logits), 2), torch.zeros(len(logits))
         for i, lg in enumerate(logits, start=1):
@@ -77,7 +80,7 @@ def choose_tau(heads, base: FrozenBase, windows: torch.Tensor, batch_size: int) 
     """Sweep tau on validation data; keep the one with most accepted minus wrong drafted
     tokens per step (a drafted token must be more often right than wrong to pay)."""
     pairs = [_length_predictions(length_logits, logits, ids)
-             for ids, logits, length_logits in _predictions("clp", heads, base, windows, batch_size)]
+             for ids, logits, length_logits in _predictions(heads, base, windows, batch_size)]
     probs, target = torch.cat([p for p, _ in pairs]), torch.cat([t for _, t in pairs])
     sweep = [{"tau": tau, **length_report(probs, target, tau)} for tau in TAUS]
     best = max(sweep, key=lambda r: (r["expected_accepted"] - r["expected_wrong"], -r["tau"]))
@@ -86,17 +89,11 @@ def choose_tau(heads, base: FrozenBase, windows: torch.Tensor, batch_size: int) 
 
 def evaluate_checkpoint(heads_dir: Path, base_dir: Path, data: list[Path], out: Path,
                         max_len: int, batch_size: int, dtype: str) -> dict:
-    from vllm_clover import checkpoint
-    from vllm_clover_training import data as data_mod
-    from vllm_clover_training.train_heads import load_base
-
     config, tensors = checkpoint.load_heads(heads_dir, base_dir)
     heads = checkpoint.build_heads_module(heads_dir, config, tensors)
     base, tokenizer = load_base(base_dir, dtype)
     windows = data_mod.packed_files(data, tokenizer, max_len)
     result = evaluate_module(config["vllm_clover"]["method"], heads, base, windows, batch_size)
     result["heads"], result["data"] = str(heads_dir), [str(p) for p in data]
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(out)
+    atomic_write_text(out, json.dumps(result, indent=2) + "\n")
     return result

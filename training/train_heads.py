@@ -20,12 +20,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from vllm_clover import checkpoint
-from vllm_clover.atomic import atomic_torch_save
+from vllm_clover.atomic import atomic_torch_save, atomic_write_text
+from vllm_clover.methods import BY_NAME
 from vllm_clover_training import data as data_mod
-from vllm_clover_training.methods import (FrozenBase, build_heads, checkpoint_hyper, checkpoint_tensors,
-                                          losses)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from vllm_clover_training.base import FrozenBase, load_base
+from vllm_clover_training.objective import losses
 
 
 @dataclass
@@ -49,7 +48,7 @@ class TrainArgs:
     distill_new_tokens: int = 256
     head_weight_decay: float = 1.0
     save_every: int = 50
-    hyper: dict = field(default_factory=dict)   # method-specific: Clover ablations, CLP tau
+    hyper: dict = field(default_factory=dict)   # method-specific (methods.TABLE's train_options)
     command: list[str] = field(default_factory=lambda: list(sys.argv))
 
 
@@ -77,15 +76,6 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
-def load_base(base_dir: Path, dtype: str) -> tuple[FrozenBase, object]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=DTYPES[dtype]).eval()
-    model.requires_grad_(False)
-    return FrozenBase(model, model.get_output_embeddings().weight, model.config), tokenizer
-
-
 def training_sequences(args: TrainArgs, tokenizer, work: Path, ddp: Distributed) -> list[list[int]]:
     records = [r for path in args.data for r in data_mod.read_jsonl(path)]
     if not args.self_distill:
@@ -99,9 +89,7 @@ def training_sequences(args: TrainArgs, tokenizer, work: Path, ddp: Distributed)
 
         prompts = [data_mod.prompt_ids(r, tokenizer, args.distill_prompt_tokens) for r in records]
         sequences = generate_continuations(args.base_model, prompts, args.distill_new_tokens, args.dtype)
-        tmp = cache.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": key, "sequences": sequences}))
-        tmp.replace(cache)
+        atomic_write_text(cache, json.dumps({"key": key, "sequences": sequences}))
     ddp.barrier()
     return json.loads(cache.read_text())["sequences"]
 
@@ -143,7 +131,7 @@ def train(args: TrainArgs) -> dict:
     windows = data_mod.pack(training_sequences(args, tokenizer, work, ddp), args.max_len,
                             tokenizer.eos_token_id)
     torch.manual_seed(args.seed)
-    heads = build_heads(args.method, base, args.num_heads, args.hyper)
+    heads = BY_NAME[args.method].heads.from_base(base, args.num_heads, args.hyper)
     model = torch.nn.parallel.DistributedDataParallel(heads) if ddp.world > 1 else heads
     optimizer = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad],
                                   lr=args.lr, betas=(0.9, 0.999))
@@ -175,7 +163,7 @@ def train(args: TrainArgs) -> dict:
             order_epoch = epoch
             order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(args.seed + epoch))
         batch = windows[order[index * args.batch_size : (index + 1) * args.batch_size]][ddp.rank :: ddp.world]
-        loss, metrics = losses(args.method, model, base, batch, args.head_weight_decay)
+        loss, metrics = losses(model, base, batch, args.head_weight_decay)
         loss.backward()
         optimizer.step()
         scheduler.step()
@@ -211,25 +199,21 @@ def keep_metrics_until(path: Path, step: int) -> None:
 def finish(args: TrainArgs, heads, base: FrozenBase, tokenizer, work: Path, train_seconds: float) -> dict:
     from vllm_clover_training.evaluate import choose_tau, evaluate_module
 
+    method = BY_NAME[args.method]
     final = {"train_seconds": round(train_seconds, 1)}
     if args.eval_data:
         eval_windows = data_mod.packed_files(args.eval_data, tokenizer, args.max_len)
-        if args.method == "clp":
+        if method.length_predictor:
             heads.tau, final["tau_sweep"] = choose_tau(heads, base, eval_windows, args.batch_size)
-        final.update(evaluate_module(args.method, heads, base, eval_windows, args.batch_size))
+        final.update(evaluate_module(method.name, heads, base, eval_windows, args.batch_size))
     provenance = {
         "git_commit": git_commit(), "versions": package_versions(), "command": args.command,
         "args": json.loads(json.dumps(asdict(args), default=str)),
         "data_sha256": {str(p): data_mod.file_sha256(p) for p in args.data + args.eval_data},
         "final_metrics": final,
     }
-    c = base.config
-    checkpoint.save_heads(
-        args.out, args.method, args.num_heads, c.hidden_size, c.vocab_size, args.base_model,
-        checkpoint_tensors(args.method, heads), checkpoint_hyper(args.method, heads, args.hyper), provenance,
-        vllm_extra={"medusa_fc_bias": True} if args.method == "medusa" else None,
-        extra_files={"metrics.jsonl": (work / "metrics.jsonl").read_text()},
-    )
+    checkpoint.save_heads(args.out, method, heads, args.base_model, provenance,
+                          extra_files={"metrics.jsonl": (work / "metrics.jsonl").read_text()})
     # The run is complete: only the self-distilled data stays, for the next run to reuse.
     for name in ("state.pt", "metrics.jsonl"):
         (work / name).unlink(missing_ok=True)

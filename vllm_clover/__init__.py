@@ -25,10 +25,13 @@ def register() -> None:
     check_vllm_version(vllm.__version__)
     from vllm import ModelRegistry
 
+    from vllm_clover.methods import TABLE
     from vllm_clover.patches import apply_all
 
-    # Lazy "module:Class" strings: vLLM imports the class only when it builds a draft.
-    for arch in ("CloverDraftModel", "ClpDraftModel"):
-        ModelRegistry.register_model(arch, f"vllm_clover.vllm_models:{arch}")
+    # A lazy "module:Class" string: vLLM imports the class only when it builds a draft. One
+    # class serves every method of ours; it reads which one from the heads' config.json.
+    for method in TABLE:
+        if method.served_by_plugin:
+            ModelRegistry.register_model(method.architecture, "vllm_clover.vllm_models:HeadsDraftModel")
     apply_all()
     _registered = True

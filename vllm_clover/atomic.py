@@ -17,6 +17,14 @@ def atomic_torch_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to a sibling temp file, then rename it over `path`."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 @contextmanager
 def atomic_dir(path: Path):
     """Yield a fresh sibling temp directory; on success it replaces `path` as a whole."""

@@ -20,15 +20,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from vllm_clover.atomic import atomic_dir
+from vllm_clover.errors import CheckpointError
+from vllm_clover.methods import BY_NAME, DraftHeads, DraftMethod, method_named
 
 CONFIG, WEIGHTS, PROVENANCE = "config.json", "model.safetensors", "provenance.json"
-METHODS = ("clover", "clp", "medusa")
-# What vLLM's model registry builds for each method (MedusaModel is vLLM's own).
-ARCHITECTURES = {"clover": "CloverDraftModel", "clp": "ClpDraftModel", "medusa": "MedusaModel"}
-
-
-class CheckpointError(ValueError):
-    """A heads directory that cannot be used: missing, malformed, or for another base."""
 
 
 def _base_config(base_dir: Path) -> dict:
@@ -90,26 +85,25 @@ def check_fingerprint(heads_dir: Path, expected: dict, base_dir: Path) -> None:
             )
 
 
-def save_heads(out_dir: Path, method: str, num_heads: int, hidden_size: int, vocab_size: int,
-               base_dir: Path, state_dict: dict[str, torch.Tensor], hyper: dict,
-               provenance: dict, vllm_extra: dict | None = None,
+def save_heads(out_dir: Path, method: DraftMethod, heads: DraftHeads, base_dir: Path, provenance: dict,
                extra_files: dict[str, str] | None = None) -> None:
     """Write the three files into `out_dir` atomically (a reader never sees a mix)."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    base = _base_config(base_dir)
     config = {
         "model_type": "medusa",  # vLLM routes medusa-typed drafts to the registered architecture
-        "architectures": [ARCHITECTURES[method]],
-        "hidden_size": hidden_size,
-        "vocab_size": vocab_size,
-        "num_heads": num_heads,
-        "n_predict": num_heads,
+        "architectures": [method.architecture],
+        "hidden_size": base["hidden_size"],
+        "vocab_size": base["vocab_size"],
+        "num_heads": heads.num_heads,
+        "n_predict": heads.num_heads,
         "num_hidden_layers": 1,
-        **(vllm_extra or {}),
-        "vllm_clover": {"method": method, "hyper": hyper, "base": base_fingerprint(base_dir)},
+        **heads.vllm_config(),
+        "vllm_clover": {"method": method.name, "hyper": heads.checkpoint_hyper(),
+                        "base": base_fingerprint(base_dir)},
     }
+    tensors = heads.checkpoint_tensors()
     with atomic_dir(Path(out_dir)) as tmp:
-        save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, tmp / WEIGHTS)
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / WEIGHTS)
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
         for name, text in (extra_files or {}).items():
@@ -126,8 +120,8 @@ def load_heads(heads_dir: Path, base_dir: Path | None = None) -> tuple[dict, dic
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{heads_dir / CONFIG} is not valid JSON: {e}") from None
     ours = config.get("vllm_clover")
-    if not isinstance(ours, dict) or ours.get("method") not in METHODS:
-        raise CheckpointError(f"{heads_dir / CONFIG} has no vllm_clover.method (one of {METHODS}); "
+    if not isinstance(ours, dict) or ours.get("method") not in BY_NAME:
+        raise CheckpointError(f"{heads_dir / CONFIG} has no vllm_clover.method (one of {', '.join(BY_NAME)}); "
                               "was it written by vllm-clover-train?")
     if not (heads_dir / WEIGHTS).exists():
         raise CheckpointError(f"no {WEIGHTS} in heads directory {heads_dir}")
@@ -136,26 +130,17 @@ def load_heads(heads_dir: Path, base_dir: Path | None = None) -> tuple[dict, dic
     return config, load_file(heads_dir / WEIGHTS)
 
 
-def build_heads_module(heads_dir: Path, config: dict, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+def build_heads_module(heads_dir: Path, config: dict, tensors: dict[str, torch.Tensor]) -> DraftHeads:
     """The vLLM-free heads module a checkpoint describes, with its weights loaded."""
-    from vllm_clover.clover import CloverConfig, CloverHeads
-    from vllm_clover.clp import ClpHeads
-    from vllm_clover.medusa import MedusaHeads
-
-    method, hyper = config["vllm_clover"]["method"], config["vllm_clover"]["hyper"]
-    if method == "clover":
-        module = CloverHeads(CloverConfig(**hyper))
-    elif method == "clp":
-        module = ClpHeads(hyper["num_heads"], config["hidden_size"], tau=hyper["tau"])
-    else:
-        module = MedusaHeads(config["num_heads"], config["hidden_size"], config["vocab_size"])
-        expected = {k: v.shape for k, v in module.vllm_state_dict().items()}
-        check_tensors(heads_dir, tensors, expected)
-        module.load_vllm_state_dict(tensors)
-        return module
-    check_tensors(heads_dir, tensors, {k: v.shape for k, v in module.state_dict().items()})
-    module.load_state_dict(tensors)
+    method = method_named(config["vllm_clover"]["method"], str(Path(heads_dir) / CONFIG))
+    module = method.heads.from_checkpoint(config)
+    check_tensors(heads_dir, tensors, checkpoint_shapes(module))
+    module.load_checkpoint_tensors(tensors)
     return module
+
+
+def checkpoint_shapes(heads: DraftHeads) -> dict[str, torch.Size]:
+    return {name: t.shape for name, t in heads.checkpoint_tensors().items()}
 
 
 def check_tensors(heads_dir: Path, found: dict[str, torch.Tensor], expected: dict[str, torch.Size]) -> None:

@@ -27,8 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vllm_clover.layers import (DenseLmHead, LlamaDecoderLayer, LmHead, ResidualBlock, RMSNorm, causal_attention,
-                                rms_normalize)
+from vllm_clover.layers import (DenseLmHead, LmHead, ResidualBlock, StateDictCheckpoint, TorchLlamaDecoderLayer, TorchRMSNorm,
+                                causal_attention, check_num_heads, rms_normalize)
 
 Regressive = Literal["attention", "mlp", "none"]
 
@@ -52,8 +52,7 @@ class CloverConfig:
     regressive: Regressive = "attention"
 
     def __post_init__(self):
-        if not 1 <= self.num_heads <= 8:
-            raise ValueError(f"num_heads must be in 1..8, got {self.num_heads}")
+        check_num_heads(self.num_heads)
         if self.regressive not in ("attention", "mlp", "none"):
             raise ValueError(f"regressive must be 'attention', 'mlp' or 'none', got {self.regressive!r}")
         if self.hidden_size % self.decoder_heads:
@@ -69,7 +68,7 @@ class AttentionDecoder(nn.Module):
     def __init__(self, hidden_size: int, num_gate_heads: int, eps: float, init_noise: float):
         super().__init__()
         self.num_gate_heads = num_gate_heads
-        self.norm = RMSNorm(hidden_size, eps)
+        self.norm = TorchRMSNorm(hidden_size, eps)
         self.q_proj = nn.Linear(hidden_size, hidden_size, bias=False)
         self.k_proj = nn.Linear(hidden_size, hidden_size, bias=False)
         self.v_proj = nn.Linear(hidden_size, hidden_size, bias=False)
@@ -91,7 +90,7 @@ class ConcatMlpDecoder(nn.Module):
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
-        self.norm = RMSNorm(hidden_size, eps)
+        self.norm = TorchRMSNorm(hidden_size, eps)
         self.proj = nn.Linear(2 * hidden_size, hidden_size, bias=True)
         nn.init.zeros_(self.proj.weight)
         nn.init.zeros_(self.proj.bias)
@@ -100,19 +99,45 @@ class ConcatMlpDecoder(nn.Module):
         return h + F.silu(self.proj(torch.cat([self.norm(h), e], dim=-1)))
 
 
-class CloverHeads(nn.Module):
+class CloverHeads(StateDictCheckpoint, nn.Module):
     def __init__(self, config: CloverConfig):
         super().__init__()
         c = self.config = config
         if c.augmenting_block:
-            self.augment = LlamaDecoderLayer(c.hidden_size, c.intermediate_size, c.num_attention_heads,
+            self.augment = TorchLlamaDecoderLayer(c.hidden_size, c.intermediate_size, c.num_attention_heads,
                                              c.num_key_value_heads, c.head_dim, c.rms_norm_eps, c.rope_theta)
-            self.augment_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.augment_norm = TorchRMSNorm(c.hidden_size, c.rms_norm_eps)
         if c.regressive == "attention":
             self.decoder = AttentionDecoder(c.hidden_size, c.decoder_heads, c.rms_norm_eps, c.init_noise)
         elif c.regressive == "mlp":
             self.decoder = ConcatMlpDecoder(c.hidden_size, c.rms_norm_eps)
         self.mlps = nn.ModuleList(ResidualBlock(c.hidden_size) for _ in range(c.num_heads))
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    # ---- the method-table interface (methods.DraftHeads) ----
+
+    @classmethod
+    def from_base(cls, base, num_heads: int, hyper: dict) -> CloverHeads:
+        """The augmenting block takes the base's decoder-layer shape and starts as its last layer."""
+        c = base.config
+        heads = cls(CloverConfig(
+            num_heads=num_heads, hidden_size=c.hidden_size, vocab_size=c.vocab_size,
+            intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+            rms_norm_eps=c.rms_norm_eps, rope_theta=rope_theta(c), **hyper))
+        heads.init_from_base(base.last_layer_state(), base.final_norm_weight())
+        return heads
+
+    @classmethod
+    def from_checkpoint(cls, config: dict) -> CloverHeads:
+        return cls(CloverConfig(**config["vllm_clover"]["hyper"]))
+
+    def checkpoint_hyper(self) -> dict:
+        return self.config.to_dict()
 
     def init_from_base(self, last_layer_state: dict[str, torch.Tensor], final_norm_weight: torch.Tensor) -> None:
         """Augmenting block := the base's last decoder layer; its norm := the base's final norm."""
@@ -136,8 +161,13 @@ class CloverHeads(nn.Module):
 
     # ---- training: all heads at all positions, regressive inputs teacher-forced ----
 
-    def forward(self, h_base: torch.Tensor, input_ids: torch.Tensor, lm_head_weight: torch.Tensor,
-                positions: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def forward(self, h_base: torch.Tensor, input_ids: torch.Tensor,
+                lm_head_weight: torch.Tensor) -> tuple[list[torch.Tensor], None]:
+        """(per head, logits [B, T-1-i, V] through the base's LM head; no length logits)."""
+        return [h @ lm_head_weight.T for h in self.head_hidden_states(h_base, input_ids, lm_head_weight)], None
+
+    def head_hidden_states(self, h_base: torch.Tensor, input_ids: torch.Tensor, lm_head_weight: torch.Tensor,
+                           positions: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Per head, the hidden states its logits come from: a list of K tensors [B, T-1-i, H].
 
         Target shift (B = batch, T = sequence, x = input_ids):
@@ -178,6 +208,18 @@ class CloverHeads(nn.Module):
             token = lm_head.logits(out).argmax(-1)
             drafts.append(token)
         return torch.stack(drafts, dim=-1)
+
+    def propose(self, h0: torch.Tensor, next_token: torch.Tensor, lm_head: LmHead,
+                budgets: list[int]) -> list[list[int]]:
+        """One chain as long as the largest budget, each row cut to its own."""
+        drafts = self.draft(h0, next_token, lm_head, max(budgets))
+        return [row[:n] for row, n in zip(drafts.tolist(), budgets)]
+
+
+def rope_theta(config) -> float:
+    """The base's RoPE base frequency (transformers moved it into `rope_parameters`)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
 def token_embeddings(lm_head_weight: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

@@ -16,25 +16,38 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from vllm_clover.layers import LmHead, ResidualBlock, head_labels
+from vllm_clover.layers import LmHead, ResidualBlock, StateDictCheckpoint, check_num_heads, head_labels
 
 
-class ClpHeads(nn.Module):
+class ClpHeads(StateDictCheckpoint, nn.Module):
     def __init__(self, num_heads: int, hidden_size: int, tau: float = 0.5):
         super().__init__()
-        if not 1 <= num_heads <= 8:
-            raise ValueError(f"num_heads must be in 1..8, got {num_heads}")
+        check_num_heads(num_heads)
         self.num_heads = num_heads
         self.tau = tau
         self.mlps = nn.ModuleList(ResidualBlock(hidden_size) for _ in range(num_heads))
         self.length = nn.Linear(hidden_size, num_heads + 1)
 
-    def forward(self, h_base: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """(per head, the hidden states its logits come from: K tensors [B, T-1-i, H];
-        length logits [B, T, K+1])."""
+    # ---- the method-table interface (methods.DraftHeads) ----
+
+    @classmethod
+    def from_base(cls, base, num_heads: int, hyper: dict) -> ClpHeads:
+        return cls(num_heads, base.config.hidden_size, **hyper)
+
+    @classmethod
+    def from_checkpoint(cls, config: dict) -> ClpHeads:
+        hyper = config["vllm_clover"]["hyper"]
+        return cls(hyper["num_heads"], config["hidden_size"], tau=hyper["tau"])
+
+    def checkpoint_hyper(self) -> dict:
+        return {"num_heads": self.num_heads, "tau": self.tau}
+
+    def forward(self, h_base: torch.Tensor, input_ids: torch.Tensor,
+                lm_head_weight: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(per head, logits [B, T-1-i, V] through the base's LM head; length logits [B, T, K+1])."""
         T = h_base.shape[1]
-        hidden = [mlp(h_base[:, : T - 1 - i]) for i, mlp in enumerate(self.mlps, start=1)]
-        return hidden, self.length(h_base)
+        logits = [mlp(h_base[:, : T - 1 - i]) @ lm_head_weight.T for i, mlp in enumerate(self.mlps, start=1)]
+        return logits, self.length(h_base)
 
     @torch.no_grad()
     def draft_lengths(self, h: torch.Tensor, tau: float | None = None) -> torch.Tensor:
@@ -47,6 +60,17 @@ class ClpHeads(nn.Module):
         each row to its draft length)."""
         mlps = self.mlps[: self.num_heads if num_tokens is None else num_tokens]
         return torch.stack([lm_head.logits(mlp(h)).argmax(-1) for mlp in mlps], dim=-1)
+
+    @torch.no_grad()
+    def propose(self, h: torch.Tensor, next_token: torch.Tensor, lm_head: LmHead,
+                budgets: list[int]) -> list[list[int]]:
+        """Each row drafts its predicted length, capped by its budget (the base produced
+        next_token itself; CLP's heads guess only from h)."""
+        lengths = [min(n, budget) for n, budget in zip(self.draft_lengths(h).tolist(), budgets)]
+        if max(lengths) == 0:
+            return [[] for _ in lengths]
+        drafts = self.draft(h, lm_head, max(lengths))
+        return [row[:n] for row, n in zip(drafts.tolist(), lengths)]
 
 
 def lengths_at_threshold(probs: torch.Tensor, tau: float) -> torch.Tensor:

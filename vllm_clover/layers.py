@@ -39,7 +39,23 @@ class DenseLmHead:
         return hidden @ self.weight.T
 
 
-class RMSNorm(nn.Module):
+class StateDictCheckpoint:
+    """Heads whose checkpoint tensors are their own state dict (Clover, CLP; Medusa uses
+    vLLM's names instead). Part of the method-table interface, methods.DraftHeads."""
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.state_dict().items()}
+
+    def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.load_state_dict(tensors)
+
+    def vllm_config(self) -> dict:
+        return {}  # served by our draft model, which reads only vllm_clover's fields
+
+
+class TorchRMSNorm(nn.Module):
+    """Llama's RMSNorm in plain PyTorch (vLLM's own `RMSNorm` serves the augmenting block)."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -94,17 +110,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return out.transpose(-3, -2)
 
 
-class LlamaDecoderLayer(nn.Module):
-    """One Llama decoder layer with the same parameter names as Hugging Face's, so a base
-    model's layer state dict loads into it unchanged."""
+class TorchLlamaDecoderLayer(nn.Module):
+    """One Llama decoder layer in plain PyTorch, with Hugging Face's parameter names, so a base
+    model's layer state dict loads into it unchanged (vLLM serves it as its own
+    `LlamaDecoderLayer`, vllm_models.py)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_attention_heads: int,
                  num_key_value_heads: int, head_dim: int, rms_norm_eps: float, rope_theta: float):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim, self.rope_theta = (
             num_attention_heads, num_key_value_heads, head_dim, rope_theta)
-        self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.input_layernorm = TorchRMSNorm(hidden_size, rms_norm_eps)
+        self.post_attention_layernorm = TorchRMSNorm(hidden_size, rms_norm_eps)
         self.self_attn = nn.ModuleDict({
             "q_proj": nn.Linear(hidden_size, num_attention_heads * head_dim, bias=False),
             "k_proj": nn.Linear(hidden_size, num_key_value_heads * head_dim, bias=False),
@@ -129,6 +146,15 @@ class LlamaDecoderLayer(nn.Module):
         x = x + attn["o_proj"](o.flatten(-2))
         h = self.post_attention_layernorm(x)
         return x + mlp["down_proj"](F.silu(mlp["gate_proj"](h)) * mlp["up_proj"](h))
+
+
+MAX_HEADS = 8
+
+
+def check_num_heads(num_heads: int) -> None:
+    """K draft heads: 1..8 (vLLM's scheduler and our CLP length classes assume a small K)."""
+    if not 1 <= num_heads <= MAX_HEADS:
+        raise ValueError(f"num_heads must be in 1..{MAX_HEADS}, got {num_heads}")
 
 
 def head_labels(input_ids: torch.Tensor, head: int) -> torch.Tensor:

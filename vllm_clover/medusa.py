@@ -11,33 +11,54 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from vllm_clover.layers import ResidualBlock
+from vllm_clover.layers import ResidualBlock, check_num_heads
 
 
 class MedusaHeads(nn.Module):
     def __init__(self, num_heads: int, hidden_size: int, vocab_size: int):
         super().__init__()
-        if not 1 <= num_heads <= 8:
-            raise ValueError(f"num_heads must be in 1..8, got {num_heads}")
+        check_num_heads(num_heads)
         self.num_heads = num_heads
         self.blocks = nn.ModuleList(ResidualBlock(hidden_size) for _ in range(num_heads))
         self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads))
 
-    def init_from_base(self, lm_head_weight: torch.Tensor) -> None:
-        for head in self.lm_heads:
-            head.weight.data.copy_(lm_head_weight)
+    # ---- the method-table interface (methods.DraftHeads) ----
 
-    def forward(self, h_base: torch.Tensor) -> list[torch.Tensor]:
-        """Logits per head: K tensors [B, T-1-i, V] for 1-based head i (see clover.py's shift)."""
-        T = h_base.shape[1]
-        return [lm(block(h_base[:, : T - 1 - i])) for i, (block, lm) in
-                enumerate(zip(self.blocks, self.lm_heads), start=1)]
+    @classmethod
+    def from_base(cls, base, num_heads: int, hyper: dict) -> MedusaHeads:
+        """Every head's LM head starts as a copy of the base's."""
+        heads = cls(num_heads, base.config.hidden_size, base.config.vocab_size)
+        for head in heads.lm_heads:
+            head.weight.data.copy_(base.lm_head_weight)
+        return heads
+
+    @classmethod
+    def from_checkpoint(cls, config: dict) -> MedusaHeads:
+        return cls(config["num_heads"], config["hidden_size"], config["vocab_size"])
+
+    def checkpoint_hyper(self) -> dict:
+        return {"num_heads": self.num_heads}
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """vLLM's own names, so its MedusaModel loads the file as it is."""
+        return {k: v.detach().contiguous() for k, v in self._vllm_names().items()}
+
+    def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, param in self._vllm_names().items():
+                param.copy_(tensors[name])
 
     def vllm_config(self) -> dict:
-        hidden, vocab = self.lm_heads[0].weight.shape[1], self.lm_heads[0].weight.shape[0]
-        return {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": hidden,
-                "vocab_size": vocab, "num_heads": self.num_heads, "num_hidden_layers": 1,
-                "medusa_fc_bias": True}
+        """MedusaConfig's switch for the biases our residual blocks have."""
+        return {"medusa_fc_bias": True}
+
+    def forward(self, h_base: torch.Tensor, input_ids: torch.Tensor,
+                lm_head_weight: torch.Tensor) -> tuple[list[torch.Tensor], None]:
+        """Logits per head through its own LM head: K tensors [B, T-1-i, V] for 1-based head i
+        (see clover.py's shift); input_ids and the base's LM head are not used."""
+        T = h_base.shape[1]
+        return [lm(block(h_base[:, : T - 1 - i])) for i, (block, lm) in
+                enumerate(zip(self.blocks, self.lm_heads), start=1)], None
 
     def _vllm_names(self) -> dict[str, torch.nn.Parameter]:
         out = {}
@@ -46,11 +67,3 @@ class MedusaHeads(nn.Module):
             out[f"blocks.{i}.layers.0.bias"] = block.linear.bias
             out[f"lm_heads.{i}.weight"] = lm.weight
         return out
-
-    def vllm_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().contiguous() for k, v in self._vllm_names().items()}
-
-    def load_vllm_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for name, param in self._vllm_names().items():
-                param.copy_(tensors[name])

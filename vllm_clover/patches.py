@@ -7,7 +7,7 @@ written against vLLM 0.32 (`version.SUPPORTED_VLLM`, checked before any is appli
 each checks at apply time that the wrapped function still has the parameters it was
 written for, so a vLLM change fails at start-up with the patch's name rather than
 mid-generation. The first three are applied by `register()` in every vLLM process; the
-last only in a CPU worker that builds one of our draft models.
+last by the runner hook, in a CPU worker that drafts with one of our models.
 
   speculative_method_names  EngineArgs.create_speculative_config
       vLLM's SpeculativeConfig.method is a closed Literal. Rewrite "clover" / "clp" /
@@ -17,7 +17,8 @@ last only in a CPU worker that builds one of our draft models.
       vLLM's medusa branch gives its proposer one hidden state per request and wants a
       fixed [B, K] tensor. Clover needs the sampled token, every scheduled token's hidden
       state and its own KV cache; CLP returns a length per request. Route our draft models
-      to proposer.propose; everything else goes to vLLM's code.
+      to proposer.propose; everything else goes to vLLM's code. The hook also owns the
+      trust flag (below) and the CPU fix (last entry), so both touch only our engines.
   trust_clp_drafts          RejectionSampler.forward
       CLP's paper mode accepts the predicted span without verification. For a runner
       serving "clp-trust", make the target's verification distribution at each draft
@@ -29,25 +30,40 @@ last only in a CPU worker that builds one of our draft models.
       stay uninitialised memory: at temperature > 0 every spec-decode method on the CPU
       build samples from a wrong distribution (tests/test_lossless.py shows it for
       vLLM's own Medusa). Replace it with the same expansion in plain torch.
+
+Besides the wrapped functions, the runner hook reads runner members that are not vLLM's
+public API (`RUNNER_READS`, e.g. `GPUModelRunner._get_positions`); `apply_all` checks
+each, so a vLLM that renamed one fails at start-up with that member's name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
+import re
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from vllm_clover.errors import VllmInternalsChanged
 from vllm_clover.version import SUPPORTED_VLLM
 
 MARKER = "__vllm_clover_patch__"
+# Set on vLLM's RejectionSampler of a runner whose drafts are trusted (by the runner hook).
+TRUST_DRAFTS_ATTR = "vllm_clover_trust_drafts"
 
 
-class VllmInternalsChanged(RuntimeError):
-    pass
+def _resolve(target: str):
+    """"module:Class.attr" -> (the object holding attr, "attr")."""
+    module, path = target.split(":")
+    owner = importlib.import_module(module)
+    *classes, attribute = path.split(".")
+    for cls in classes:
+        owner = getattr(owner, cls)
+    return owner, attribute
 
 
 @dataclass(frozen=True)
@@ -59,12 +75,7 @@ class Patch:
     vllm: str = SUPPORTED_VLLM
 
     def _owner_and_attribute(self):
-        module, path = self.target.split(":")
-        owner = importlib.import_module(module)
-        *classes, attribute = path.split(".")
-        for cls in classes:
-            owner = getattr(owner, cls)
-        return owner, attribute
+        return _resolve(self.target)
 
     def original(self) -> Callable:
         return getattr(*self._owner_and_attribute())
@@ -107,13 +118,14 @@ def _draft_with_clover_heads(original):
                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata,
                                 common_attn_metadata, slot_mappings):
         from vllm_clover import proposer
-        from vllm_clover.vllm_models import DraftModel
+        from vllm_clover.vllm_models import HeadsDraftModel
 
         model = getattr(getattr(self, "drafter", None), "model", None)
-        if not isinstance(model, DraftModel):
+        if not isinstance(model, HeadsDraftModel):
             return original(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                             sample_hidden_states, aux_hidden_states, spec_decode_metadata,
                             common_attn_metadata, slot_mappings)
+        _prepare_runner(self, model)
         self._draft_probs = None       # as the original does: our drafts are greedy (one-hot)
         self._draft_prob_req_ids = None
         return proposer.propose(self, model, scheduler_output, sampled_token_ids, hidden_states,
@@ -122,10 +134,21 @@ def _draft_with_clover_heads(original):
     return propose_draft_token_ids
 
 
+def _prepare_runner(runner, model) -> None:
+    """Before a runner verifies any of our drafts: flag trusted drafts for the sampler patch,
+    and fix the CPU build's rejection sampling. Both only ever touch runners that draft
+    with our models (every call after the first finds them done)."""
+    if model.options.trust_drafts:
+        setattr(runner.rejection_sampler, TRUST_DRAFTS_ATTR, True)
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:  # with Triton, vLLM's own kernel runs and is correct
+        for patch in CPU_WORKER_PATCHES:
+            patch.apply()
+
+
 def _trust_clp_drafts(original):
     def forward(self, metadata, draft_probs, logits, sampling_metadata):
-        from vllm_clover.proposer import TRUST_DRAFTS_ATTR
-
         if getattr(self, TRUST_DRAFTS_ATTR, False):
             logits = point_mass_on_drafts(logits, metadata.target_logits_indices, metadata.draft_token_ids)
         return original(self, metadata, draft_probs, logits, sampling_metadata)
@@ -167,15 +190,40 @@ CPU_WORKER_PATCHES = (
 )
 
 
+# (class, member) the runner hook reads (proposer.py, `_draft_with_clover_heads`) beyond
+# the wrapped signatures: private runner state and the step metadata's fields.
+RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+RUNNER_READS = (
+    (RUNNER, "_get_positions"), (RUNNER, "attn_groups"), (RUNNER, "rejection_sampler"), (RUNNER, "drafter"),
+    (RUNNER, "get_model"), (RUNNER, "vllm_config"), (RUNNER, "_draft_probs"), (RUNNER, "_draft_prob_req_ids"),
+    ("vllm.v1.worker.utils:AttentionGroup", "layer_names"), ("vllm.v1.worker.utils:AttentionGroup", "build_metadata"),
+    ("vllm.v1.attention.backend:CommonAttentionMetadata", "query_start_loc_cpu"),
+    ("vllm.v1.attention.backend:CommonAttentionMetadata", "num_actual_tokens"),
+    ("vllm.v1.spec_decode.metadata:SpecDecodeMetadata", "num_draft_tokens"),
+    ("vllm.v1.spec_decode.metadata:SpecDecodeMetadata", "target_logits_indices"),
+    ("vllm.v1.spec_decode.metadata:SpecDecodeMetadata", "draft_token_ids"),
+    ("vllm.v1.core.sched.output:SchedulerOutput", "num_spec_tokens_to_schedule"),
+    ("vllm.v1.spec_decode.medusa:MedusaProposer", "model"),
+)
+
+
+def has_member(cls: type, name: str) -> bool:
+    """A class attribute or method, a dataclass field, or an attribute its code assigns on self."""
+    if hasattr(cls, name) or (dataclasses.is_dataclass(cls) and name in {f.name for f in dataclasses.fields(cls)}):
+        return True
+    return re.search(rf"\bself\.{re.escape(name)}\s*(:[^=\n]+)?=", inspect.getsource(cls)) is not None
+
+
+def check_runner_reads(reads: tuple[tuple[str, str], ...] = RUNNER_READS) -> None:
+    for target, name in reads:
+        owner, attribute = _resolve(target)
+        cls = getattr(owner, attribute)
+        if not has_member(cls, name):
+            raise VllmInternalsChanged(f"vllm-clover reads {target}.{name}, written for vLLM {SUPPORTED_VLLM}, "
+                                       "but this vLLM has no such member")
+
+
 def apply_all() -> None:
+    check_runner_reads()
     for patch in PATCHES:
         patch.apply()
-
-
-def apply_for_our_draft_model() -> None:
-    """Called where one of our draft models is built (an engine's worker process)."""
-    from vllm.triton_utils import HAS_TRITON
-
-    if not HAS_TRITON:  # with Triton, vLLM's own kernel runs and is correct
-        for patch in CPU_WORKER_PATCHES:
-            patch.apply()

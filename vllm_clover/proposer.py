@@ -1,12 +1,15 @@
 """The runner side of our proposers: one engine step's inputs -> draft tokens per request.
 
-Called from the patched `GPUModelRunner.propose_draft_token_ids` (patches.py) after the
-runner's CPU bookkeeping, when vLLM's rejection sampler has settled this step's tokens.
-The runner hands over everything the target computed; this module picks out what the
-draft model needs (`DraftBatch`), runs it with attention metadata for its own KV layers,
+Called from the runner hook (patches.py, `draft_with_clover_heads`) after the runner's
+CPU bookkeeping, when vLLM's rejection sampler has settled this step's tokens. The
+runner hands over everything the target computed; this module picks out what the draft
+model needs (draft_batch.py), runs it with attention metadata for its own KV layers,
 and returns `list[list[int]]`, one list per request in batch order. vLLM's scheduler
 takes lists of any length up to K, so draft lengths may differ per request (CLP) and
 empty lists mean "no drafts" (requests still in prefill, or CLP predicting none).
+
+Every runner member read here is listed in patches.RUNNER_MEMBERS and checked when the
+patches are applied.
 
 Known gap: vLLM skips the whole draft step when some request in the batch is within K
 tokens of max_model_len (`GPUModelRunner._input_fits_in_drafter`). Clover's augmenting
@@ -16,28 +19,37 @@ requests read stale entries there: fewer accepted drafts, never different output
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING
 
 import torch
-
 from vllm.forward_context import set_forward_context
 
-from vllm_clover.vllm_models import DraftBatch, DraftModel
+from vllm_clover.draft_batch import draft_batch
+from vllm_clover.vllm_models import HeadsDraftModel
 
-# Set on vLLM's RejectionSampler of a runner whose drafts are trusted (patches.py).
-TRUST_DRAFTS_ATTR = "vllm_clover_trust_drafts"
+if TYPE_CHECKING:
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 
 @torch.inference_mode()
-def propose(runner, model: DraftModel, scheduler_output, sampled_token_ids: list[list[int]],
-            hidden_states: torch.Tensor, spec_decode_metadata, common_attn_metadata,
-            slot_mappings) -> list[list[int]]:
+def propose(runner: GPUModelRunner, model: HeadsDraftModel, scheduler_output: SchedulerOutput,
+            sampled_token_ids: list[list[int]], hidden_states: torch.Tensor,
+            spec_decode_metadata: SpecDecodeMetadata | None, common_attn_metadata: CommonAttentionMetadata,
+            slot_mappings: dict[str, torch.Tensor] | None) -> list[list[int]]:
     model.bind_target(runner.get_model())
-    if model.options.trust_drafts:
-        setattr(runner.rejection_sampler, TRUST_DRAFTS_ATTR, True)
-    budget = scheduler_output.num_spec_tokens_to_schedule
-    batch, rows = draft_batch(runner, sampled_token_ids, hidden_states, spec_decode_metadata,
-                              common_attn_metadata, budget)
+    num_tokens = common_attn_metadata.num_actual_tokens
+    batch, rows = draft_batch(
+        sampled_token_ids,
+        query_start_loc=common_attn_metadata.query_start_loc_cpu[: len(sampled_token_ids) + 1].tolist(),
+        num_draft_tokens=spec_decode_metadata.num_draft_tokens if spec_decode_metadata is not None else None,
+        hidden_states=hidden_states[:num_tokens],
+        positions=runner._get_positions(num_tokens),
+        budget=scheduler_output.num_spec_tokens_to_schedule,
+    )
     with draft_attention(runner, model.kv_layer_names, common_attn_metadata, slot_mappings):
         drafts = model.propose(batch)
     per_request: list[list[int]] = [[] for _ in sampled_token_ids]
@@ -46,37 +58,9 @@ def propose(runner, model: DraftModel, scheduler_output, sampled_token_ids: list
     return per_request
 
 
-def draft_batch(runner, sampled_token_ids: list[list[int]], hidden_states: torch.Tensor,
-                spec_decode_metadata, common_attn_metadata, budget: int) -> tuple[DraftBatch, list[int]]:
-    """(the DraftBatch, the batch row of each of its requests).
-
-    Request r's tokens occupy hidden_states[qsl[r]:qsl[r+1]]: the new tokens, then its
-    d_r drafts. Of the sampled tokens, the last one came from the hidden state at the
-    last *accepted* position, qsl[r+1] - 1 - d_r + (len(sampled_r) - 1).
-    """
-    num_tokens = common_attn_metadata.num_actual_tokens
-    qsl = common_attn_metadata.query_start_loc_cpu[: len(sampled_token_ids) + 1].tolist()
-    num_drafts = (spec_decode_metadata.num_draft_tokens if spec_decode_metadata is not None
-                  else [0] * len(sampled_token_ids))
-    rows, last_index, next_token = [], [], []
-    for row, sampled in enumerate(sampled_token_ids):
-        if not sampled:  # a prefill chunk that is not the last, or a discarded request
-            continue
-        rows.append(row)
-        last_index.append(qsl[row + 1] - 1 - num_drafts[row] + len(sampled) - 1)
-        next_token.append(sampled[-1])
-    device = hidden_states.device
-    batch = DraftBatch(
-        hidden_states=hidden_states[:num_tokens],
-        positions=runner._get_positions(num_tokens),
-        last_index=torch.tensor(last_index, dtype=torch.long, device=device),
-        next_token=torch.tensor(next_token, dtype=torch.long, device=device),
-        max_len=[budget] * len(rows),
-    )
-    return batch, rows
-
-
-def draft_attention(runner, layer_names: tuple[str, ...], common_attn_metadata, slot_mappings):
+def draft_attention(runner: GPUModelRunner, layer_names: tuple[str, ...],
+                    common_attn_metadata: CommonAttentionMetadata,
+                    slot_mappings: dict[str, torch.Tensor] | None) -> AbstractContextManager:
     """A forward context in which the draft model's own attention layers read and write
     their paged KV at this step's slots (the target's slots: same blocks, own tensors)."""
     if not layer_names:

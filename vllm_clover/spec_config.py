@@ -13,6 +13,8 @@ model runner that our proposer hook lives in.
     {"method": "clp", "model": HEADS, "clp_tau": 0.3}   CLP with another threshold than the checkpoint's
     {"model": HEADS} or {"method": "medusa", ...} with our heads: the checkpoint's method
 
+The names and options come from the method table (methods.py).
+
 Everything that can be wrong with a heads directory is checked here, in the process that
 builds the config, so it surfaces as one exception from `LLM(...)` / `vllm serve`
 instead of a traceback in a worker.
@@ -22,14 +24,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from vllm_clover.checkpoint import CONFIG, CheckpointError, build_heads_module, load_heads
+from vllm_clover.checkpoint import CONFIG, build_heads_module, load_heads
+from vllm_clover.errors import SpecConfigError
+from vllm_clover.methods import BY_NAME, SERVING_NAMES, DraftMethod, all_serving_option_keys, serving_overrides
 
 CARRIER = "medusa"
-# Our method names -> (the checkpoint method they need, whether drafts are trusted).
-METHODS = {"clover": ("clover", False), "clp": ("clp", False), "clp-trust": ("clp", True)}
 # Where the serving options ride to the workers: an attribute of the draft's hf_config,
 # which vLLM pickles into every engine process along with the rest of VllmConfig.
 SERVING_ATTR = "vllm_clover_serving"
@@ -37,14 +39,9 @@ SERVING_ATTR = "vllm_clover_serving"
 
 @dataclass(frozen=True)
 class ServingOptions:
-    method: str                 # "clover" | "clp" (what the checkpoint holds)
+    method: str                 # the table entry (methods.TABLE) whose heads are served
     trust_drafts: bool          # accept drafts without verification (CLP paper mode)
-    clp_tau: float | None = None  # CLP's length threshold; None: the checkpoint's
-
-
-# Our keys in speculative_config; vLLM's SpeculativeConfig forbids unknown keys, so they
-# are taken out before it sees the dict.
-OUR_KEYS = ("clp_tau",)
+    hyper_overrides: dict = field(default_factory=dict)  # from speculative_config, e.g. {"tau": 0.3}
 
 
 def our_heads_config(model: object) -> dict | None:
@@ -59,52 +56,51 @@ def our_heads_config(model: object) -> dict | None:
 
 
 def resolve(spec: dict, target_model: str) -> tuple[dict, ServingOptions | None]:
-    """(the dict to hand vLLM, our serving options or None when the spec is not ours).
+    """(the dict to hand vLLM, our serving options or None when our plugin does not serve it).
 
     Specs that are not ours are returned untouched, so vLLM behaves exactly as without
     the plugin for every other method and checkpoint.
     """
-    method = spec.get("method")
-    if method not in METHODS and not (method in (None, CARRIER) and our_heads_config(spec.get("model"))):
+    name = spec.get("method")
+    if name not in SERVING_NAMES and not (name in (None, CARRIER) and our_heads_config(spec.get("model"))):
         return spec, None
-    ours = {key: spec[key] for key in OUR_KEYS if key in spec}
-    spec = {key: value for key, value in spec.items() if key not in OUR_KEYS}
+    option_keys = all_serving_option_keys()
+    ours = {key: spec[key] for key in option_keys if key in spec}
+    spec = {key: value for key, value in spec.items() if key not in option_keys}
     heads_dir = spec.get("model")
     if not heads_dir:
-        raise CheckpointError(f'speculative_config method {method!r} needs "model": a heads directory '
+        raise SpecConfigError(f'speculative_config method {name!r} needs "model": a heads directory '
                               "written by vllm-clover-train")
     heads_dir = Path(heads_dir)
     base_dir = Path(target_model) if Path(target_model).is_dir() else None
     config, tensors = load_heads(heads_dir, base_dir)
-    found = config["vllm_clover"]["method"]
-    if method in METHODS and METHODS[method][0] != found:
-        raise CheckpointError(f"speculative_config method {method!r} needs {METHODS[method][0]} heads, but "
-                              f"{heads_dir / CONFIG} holds {found} heads (use method {found!r})")
+    method = BY_NAME[config["vllm_clover"]["method"]]
+    if name in SERVING_NAMES and SERVING_NAMES[name][0] is not method:
+        wanted = SERVING_NAMES[name][0].name
+        raise SpecConfigError(f"speculative_config method {name!r} needs {wanted} heads, but "
+                              f"{heads_dir / CONFIG} holds {method.name} heads (use method {method.name!r})")
     build_heads_module(heads_dir, config, tensors)  # every tensor present, with its shape
     check_num_speculative_tokens(spec, config, heads_dir)
-    if found == CARRIER:
-        check_tau(ours, found)
-        return spec, None  # our Medusa heads are in vLLM's format: its own proposer runs them
+    overrides = option_overrides(ours, method)
+    if not method.served_by_plugin:
+        return spec, None  # heads in vLLM's own format (our Medusa): its own proposer runs them
     check_runner()
-    trust = METHODS.get(method, (found, False))[1]
-    return {**spec, "method": CARRIER}, ServingOptions(found, trust, check_tau(ours, found))
+    trust = SERVING_NAMES[name][1] if name in SERVING_NAMES else False
+    return {**spec, "method": CARRIER}, ServingOptions(method.name, trust, overrides)
 
 
-def check_tau(ours: dict, method: str) -> float | None:
-    tau = ours.get("clp_tau")
-    if tau is None:
-        return None
-    if method != "clp":
-        raise CheckpointError(f"clp_tau is an option of CLP heads, not of {method} heads")
-    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 < tau <= 1:
-        raise CheckpointError(f"clp_tau must be a number in (0, 1], got {tau!r}")
-    return float(tau)
+def option_overrides(ours: dict, method: DraftMethod) -> dict:
+    accepted = {option.key for option in method.serving_options}
+    for key in sorted(set(ours) - accepted):
+        owners = [m.name for m in BY_NAME.values() if key in {o.key for o in m.serving_options}]
+        raise SpecConfigError(f"{key} is an option of {' / '.join(owners)} heads, not of {method.name} heads")
+    return serving_overrides(method, ours)
 
 
 def check_num_speculative_tokens(spec: dict, config: dict, heads_dir: Path) -> None:
     k, heads = spec.get("num_speculative_tokens"), config["num_heads"]
     if k is not None and not 1 <= k <= heads:
-        raise CheckpointError(f"num_speculative_tokens is {k}, but {heads_dir} has {heads} draft heads "
+        raise SpecConfigError(f"num_speculative_tokens is {k}, but {heads_dir} has {heads} draft heads "
                               f"(n_predict in {heads_dir / CONFIG}); use 1..{heads}")
 
 
@@ -112,7 +108,7 @@ def check_runner() -> None:
     """Our proposer hooks the V1 model runner. vLLM picks it for medusa-carried methods
     unless the user forces Model Runner V2, which would fail later without saying why."""
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true"):
-        raise CheckpointError("vllm-clover's proposers run in vLLM's V1 model runner, but "
+        raise SpecConfigError("vllm-clover's proposers run in vLLM's V1 model runner, but "
                               "VLLM_USE_V2_MODEL_RUNNER forces Model Runner V2; unset it")
 
 

@@ -7,11 +7,10 @@ rather than failing later in a worker with an obscure traceback.
 
 from __future__ import annotations
 
+from vllm_clover.errors import UnsupportedVllmVersion
+
 SUPPORTED_VLLM = "0.32"
-
-
-class UnsupportedVllmVersion(RuntimeError):
-    pass
+__all__ = ["SUPPORTED_VLLM", "UnsupportedVllmVersion", "check_vllm_version"]
 
 
 def check_vllm_version(found: str) -> None:

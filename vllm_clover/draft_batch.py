@@ -1,0 +1,60 @@
+"""One engine step's target outputs, cut down to what a draft model needs (vLLM-free).
+
+The runner hook (proposer.py) reads vLLM's step metadata into plain lists and tensors and
+calls `draft_batch`; tests build the same inputs by hand (tests/test_draft_batch.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftBatch:
+    """What a draft model sees in one engine step.
+
+    hidden_states / positions cover every token the target just ran (prefill chunks,
+    decodes and rejected drafts alike); the other fields cover only the rows that get
+    drafts, i.e. requests that sampled a token this step.
+    """
+
+    hidden_states: torch.Tensor   # [N, H] the target's last hidden states (after its final norm)
+    positions: torch.Tensor       # [N]
+    last_index: torch.Tensor      # [R] row of hidden_states at each request's last accepted token
+    next_token: torch.Tensor      # [R] the token the target just produced for it
+    budgets: list[int]            # [R] most draft tokens each request may get; proposers may return fewer
+
+
+def draft_batch(sampled_token_ids: list[list[int]], query_start_loc: list[int], num_draft_tokens: list[int] | None,
+                hidden_states: torch.Tensor, positions: torch.Tensor, budget: int) -> tuple[DraftBatch, list[int]]:
+    """(the DraftBatch, the batch row of each of its requests).
+
+    Request r's scheduled tokens occupy rows query_start_loc[r] .. query_start_loc[r+1]-1
+    of hidden_states: its new tokens, then the d_r drafts verified this step. vLLM sampled
+    len(sampled_r) tokens for it: the accepted drafts plus one from the target. That last
+    one came from the hidden state at the last *accepted* position,
+
+        query_start_loc[r+1] - 1 - d_r + (len(sampled_r) - 1),
+
+    which is where its drafts continue from. A request that sampled nothing (a prefill
+    chunk that is not its last, or a request vLLM discarded) gets no drafts.
+    """
+    num_drafts = num_draft_tokens if num_draft_tokens is not None else [0] * len(sampled_token_ids)
+    rows, last_index, next_token = [], [], []
+    for row, sampled in enumerate(sampled_token_ids):
+        if not sampled:
+            continue
+        rows.append(row)
+        last_index.append(query_start_loc[row + 1] - 1 - num_drafts[row] + len(sampled) - 1)
+        next_token.append(sampled[-1])
+    device = hidden_states.device
+    batch = DraftBatch(
+        hidden_states=hidden_states,
+        positions=positions,
+        last_index=torch.tensor(last_index, dtype=torch.long, device=device),
+        next_token=torch.tensor(next_token, dtype=torch.long, device=device),
+        budgets=[budget] * len(rows),
+    )
+    return batch, rows

@@ -1,0 +1,178 @@
+"""The method table: everything that differs between draft methods, one record each.
+
+The trainer, the checkpoint format, the speculative_config names, vLLM's model registry
+and the benchmarks all read `TABLE`; nothing else branches on a method's name. Adding a
+method is one module with its heads (implementing `DraftHeads`) and one entry here.
+
+vLLM-free: importing this module imports torch and our heads modules, never vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+from vllm_clover.clover import CloverHeads
+from vllm_clover.clp import ClpHeads
+from vllm_clover.errors import CheckpointError, SpecConfigError
+from vllm_clover.layers import LmHead
+from vllm_clover.medusa import MedusaHeads
+
+# What every heads module's forward returns in training: per draft head i (1-based), logits
+# [B, T-1-i, V] labelled by `layers.head_labels(input_ids, i)`; and CLP's length logits
+# [B, T, K+1] (None for methods without a length predictor).
+HeadOutputs = tuple[list[torch.Tensor], torch.Tensor | None]
+
+
+class FrozenBaseView(Protocol):
+    """What heads take from the base model when they are first built (training/base.py)."""
+
+    config: Any                  # the base's Hugging Face config
+    lm_head_weight: torch.Tensor
+
+    def last_layer_state(self) -> dict[str, torch.Tensor]: ...
+
+    def final_norm_weight(self) -> torch.Tensor: ...
+
+
+class DraftHeads(Protocol):
+    """The interface of a method's vLLM-free heads module (clover.py, clp.py, medusa.py)."""
+
+    num_heads: int
+
+    @classmethod
+    def from_base(cls, base: FrozenBaseView, num_heads: int, hyper: dict) -> DraftHeads:
+        """Fresh heads for training, initialised from the base where the method says so."""
+
+    @classmethod
+    def from_checkpoint(cls, config: dict) -> DraftHeads:
+        """Empty heads of the shape a checkpoint's config.json describes."""
+
+    def checkpoint_hyper(self) -> dict:
+        """config.json's vllm_clover.hyper: what `from_checkpoint` needs besides the base's sizes."""
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """model.safetensors: the tensor names the serving side loads."""
+
+    def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def vllm_config(self) -> dict:
+        """Extra top-level config.json keys that vLLM's own draft model reads."""
+
+    def forward(self, h_base: torch.Tensor, input_ids: torch.Tensor, lm_head_weight: torch.Tensor) -> HeadOutputs:
+        """Training: all heads at all positions, teacher-forced (see clover.py's shift)."""
+
+    def propose(self, h: torch.Tensor, next_token: torch.Tensor, lm_head: LmHead,
+                budgets: list[int]) -> list[list[int]]:
+        """Serving (plugin-served methods only): up to budgets[r] draft tokens for row r.
+        h [R, H] is the (augmented) hidden state at each request's last accepted token,
+        next_token [R] the token the target just sampled there."""
+
+
+@dataclass(frozen=True)
+class TrainOption:
+    """A method-specific flag of `vllm-clover-train METHOD`, stored as hyper[hyper_key]."""
+
+    flag: str
+    hyper_key: str
+    argparse: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ServingOption:
+    """A key users may add to speculative_config for this method; `check` returns the value
+    to use or raises ValueError saying what is wrong. It overrides hyper[hyper_key]."""
+
+    key: str
+    hyper_key: str
+    check: Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class DraftMethod:
+    name: str                            # config.json's vllm_clover.method and the CLI subcommand
+    heads: type                          # implements DraftHeads
+    description: str
+    # What vLLM's model registry builds for these heads: one of ours (registered to
+    # vllm_models.HeadsDraftModel, run by our runner hook) or vLLM's own (e.g. MedusaModel).
+    architecture: str
+    served_by_plugin: bool
+    # speculative_config "method" names that serve these heads -> whether drafts are
+    # accepted without verification (lossy; only CLP's paper mode).
+    serving_names: dict[str, bool] = field(default_factory=dict)
+    serving_options: tuple[ServingOption, ...] = ()
+    train_options: tuple[TrainOption, ...] = ()
+    # The hyper key that, when true, says the heads open with an augmenting decoder layer
+    # over every token: in vLLM it runs as vLLM's own layer with a paged KV cache.
+    augmenting_kv: str | None = None
+    # The length threshold (hyper "tau") is chosen on the eval data at the end of training.
+    length_predictor: bool = False
+
+    def has_augmenting_block(self, hyper: dict) -> bool:
+        return self.augmenting_kv is not None and bool(hyper.get(self.augmenting_kv))
+
+
+def _clp_tau(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"clp_tau must be a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+TABLE: tuple[DraftMethod, ...] = (
+    DraftMethod(
+        name="clover", heads=CloverHeads, description="Clover heads (regressive attention decoder)",
+        architecture="CloverDraftModel", served_by_plugin=True, serving_names={"clover": False},
+        train_options=(
+            TrainOption("--no-augmenting-block", "augmenting_block",
+                        dict(action="store_false", help="ablation: no augmenting block")),
+            TrainOption("--regressive", "regressive",
+                        dict(choices=["attention", "mlp", "none"], default="attention",
+                             help="ablation: regressive block (mlp = MLP on concat(h, e); none = no "
+                                  "regressive input)")),
+            TrainOption("--decoder-heads", "decoder_heads",
+                        dict(type=int, default=4, help="gate heads of the attention decoder")),
+        ),
+        augmenting_kv="augmenting_block",
+    ),
+    DraftMethod(
+        name="clp", heads=ClpHeads, description="CLP heads and collocation-length predictor",
+        architecture="ClpDraftModel", served_by_plugin=True, serving_names={"clp": False, "clp-trust": True},
+        serving_options=(ServingOption("clp_tau", "tau", _clp_tau),),
+        train_options=(TrainOption("--tau", "tau", dict(type=float, default=0.5,
+                                                        help="threshold used when no --eval-data picks one")),),
+        length_predictor=True,
+    ),
+    DraftMethod(
+        name="medusa", heads=MedusaHeads, description="Medusa heads in vLLM's own format (baseline)",
+        architecture="MedusaModel", served_by_plugin=False,
+    ),
+)
+BY_NAME = {m.name: m for m in TABLE}
+# speculative_config method name -> (the method whose heads it serves, drafts trusted)
+SERVING_NAMES = {name: (m, trust) for m in TABLE for name, trust in m.serving_names.items()}
+
+
+def method_named(name: str, where: str = "") -> DraftMethod:
+    """The table entry for a checkpoint's method; `where` names the file for the error."""
+    if name not in BY_NAME:
+        raise CheckpointError(f"{where or 'heads'}: unknown method {name!r}; known: {', '.join(BY_NAME)}")
+    return BY_NAME[name]
+
+
+def serving_overrides(method: DraftMethod, spec: dict) -> dict:
+    """hyper overrides from the speculative_config keys this method accepts."""
+    overrides = {}
+    for option in method.serving_options:
+        if option.key in spec:
+            try:
+                overrides[option.hyper_key] = option.check(spec[option.key])
+            except ValueError as e:
+                raise SpecConfigError(str(e)) from None
+    return overrides
+
+
+def all_serving_option_keys() -> set[str]:
+    """Every key any method adds to speculative_config (vLLM's own config forbids unknown keys)."""
+    return {option.key for m in TABLE for option in m.serving_options}

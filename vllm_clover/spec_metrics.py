@@ -1,0 +1,33 @@
+"""vLLM's spec-decode counters of an offline engine (`vllm.LLM`), for tests, benchmarks and
+examples. The engine needs `disable_log_stats=False` for `LLM.get_metrics()` to report them.
+"""
+
+from __future__ import annotations
+
+
+def spec_decode_counters(llm, num_positions: int = 4) -> dict | None:
+    """{"drafts", "draft_tokens", "accepted", "accepted_per_pos"}; None for an engine without
+    speculative decoding."""
+    found = {m.name: m for m in llm.get_metrics()}
+    if "vllm:spec_decode_num_drafts" not in found:
+        return None
+    per_pos = found.get("vllm:spec_decode_num_accepted_tokens_per_pos")
+    return {
+        "drafts": found["vllm:spec_decode_num_drafts"].value,
+        "draft_tokens": found["vllm:spec_decode_num_draft_tokens"].value,
+        "accepted": found["vllm:spec_decode_num_accepted_tokens"].value,
+        "accepted_per_pos": list(per_pos.values) if per_pos else [0] * num_positions,
+    }
+
+
+def counters_since(before: dict | None, after: dict | None) -> dict | None:
+    """What the counters grew by between two readings (per position for lists)."""
+    if after is None:
+        return None
+    return {key: [a - b for a, b in zip(value, before[key])] if isinstance(value, list) else value - before[key]
+            for key, value in after.items()}
+
+
+def mean_acceptance_length(counters: dict) -> float:
+    """vLLM's definition: 1 + accepted / drafts, over steps that drafted (1.0 if none did)."""
+    return 1 + counters["accepted"] / max(counters["drafts"], 1)
