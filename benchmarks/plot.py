@@ -62,7 +62,8 @@ def acceptance_plot(results: dict, path: Path) -> None:
         if not totals:
             continue
         drafts = max(sum(t["drafts"] for t in totals), 1)  # CLP may not draft in a tiny run
-        per_pos = [sum(t["accepted_per_pos"][i] for t in totals) / drafts for i in range(len(totals[0]["accepted_per_pos"]))]
+        positions = range(len(totals[0]["accepted_per_pos"]))
+        per_pos = [sum(t["accepted_per_pos"][i] for t in totals) / drafts for i in positions]
         ax.plot(range(1, len(per_pos) + 1), per_pos, marker="o", label=method)
     ax.xaxis.get_major_locator().set_params(integer=True)
     save(fig, ax, "draft position", "accepted / drafting steps", "Acceptance rate per position", path)

@@ -42,7 +42,8 @@ def markdown(report: dict, results_file: Path) -> str:
         f"({report['date']}): `{report['command']}`. Machine: {machine['processor']}, {machine['cpus']} CPUs, "
         f"{machine['platform']}; vLLM {versions['vllm']}, torch {versions['torch']}, Python {versions['python']}. "
         f"{report['num_prompts']} prompts, {report['settings']['max_tokens']} tokens each, "
-        f"temperature {report['settings']['temperature']}, K = {report['settings']['k']}, {report['settings']['dtype']}.",
+        f"temperature {report['settings']['temperature']}, K = {report['settings']['k']}, "
+        f"{report['settings']['dtype']}.",
         "**Output tokens/s** and, in brackets, **speed-up over vanilla** at the same batch size:",
         grid(results, lambda r, b: f"{r['output_tokens_per_s']:.0f} ({r.get('speedup_over_vanilla', 1):.2f}x)"),
         "**Mean acceptance length** (1 + accepted / drafts, over the steps that drafted) and, in brackets, "

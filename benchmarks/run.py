@@ -185,7 +185,7 @@ def measure(llm, prompts: list[str], batch_size: int, params, k: int) -> dict:
 def compare_with_vanilla(results: dict) -> None:
     """Add mismatches (and, for unverified methods, quality) against vanilla at each batch size."""
     vanilla = results.get("vanilla")
-    for method, by_batch in results.items():
+    for by_batch in results.values():
         for batch, result in by_batch.items():
             tokens = result["outputs"]
             result["repetition_ratio"] = sum(map(repetition_ratio, tokens)) / len(tokens)

@@ -18,8 +18,8 @@ from vllm import SamplingParams
 
 from conftest import DEMO_HEADS, counter, make_llm, shutdown, speculative
 from vllm_clover.checkpoint import build_heads_module, load_heads
-from vllm_clover_training.stdlib_corpus import heldout_prompts
 from vllm_clover_training.base import load_base
+from vllm_clover_training.stdlib_corpus import heldout_prompts
 
 ENGINE = dict(disable_log_stats=False, enable_prefix_caching=True, max_num_seqs=16,
               max_num_batched_tokens=64, kv_cache_memory_bytes=12 << 20)  # 16 blocks: preempts

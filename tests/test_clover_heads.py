@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from vllm_clover.clover import CloverConfig, CloverHeads, token_embeddings
 from vllm_clover.layers import DenseLmHead
@@ -86,7 +85,10 @@ def test_augmenting_block_initialised_from_base_reproduces_its_last_layer():
     ids = torch.randint(0, V, (B, T))
     captured = {}
     last = base.model.layers[-1]
-    last.register_forward_hook(lambda mod, args, kwargs, out: captured.update(x=args[0] if args else kwargs["hidden_states"], y=out[0] if isinstance(out, tuple) else out), with_kwargs=True)
+    def capture(module, args, kwargs, out):
+        captured.update(x=args[0] if args else kwargs["hidden_states"], y=out[0] if isinstance(out, tuple) else out)
+
+    last.register_forward_hook(capture, with_kwargs=True)
     with torch.no_grad():
         base(ids)
     heads = CloverHeads(small_config())

@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from conftest import REPO
 from test_serve import Server, free_port
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_clover_training import stdlib_corpus
 from vllm_clover.atomic import atomic_dir, atomic_torch_save
+from vllm_clover_training import stdlib_corpus
 
 BOS, EOS = "<s>", "</s>"
 
@@ -265,8 +265,11 @@ def sample_continuations(model, tokenizer) -> list[dict]:
 def model_card(r: dict) -> str:
     """The model card, generated from the training report so its numbers cannot drift."""
     sh, st = r["shape"], r["settings"]
+    layer_shape = (f"{sh['num_hidden_layers']} / {sh['num_attention_heads']} / {sh['num_key_value_heads']} / "
+                   f"{sh['hidden_size'] // sh['num_attention_heads']}")
     evals = "\n".join(
-        f"| {h['step']} | {h['tokens']:,} | {h['train_s'] / 60:.1f} | {h['heldout_loss']:.3f} | {math.exp(h['heldout_loss']):.1f} |"
+        f"| {h['step']} | {h['tokens']:,} | {h['train_s'] / 60:.1f} | {h['heldout_loss']:.3f} "
+        f"| {math.exp(h['heldout_loss']):.1f} |"
         for h in r["eval_history"]
     )
     samples = "\n\n".join(
@@ -294,7 +297,7 @@ Seed {st['seed']}, fp32, {r['torch']} on Python {r['python']}. Resumable: rerun 
 | architecture | `LlamaForCausalLM` (untied embeddings, RoPE theta 10000) |
 | parameters | {r['parameters']:,} |
 | hidden / intermediate | {sh['hidden_size']} / {sh['intermediate_size']} |
-| layers / heads / KV heads / head_dim | {sh['num_hidden_layers']} / {sh['num_attention_heads']} / {sh['num_key_value_heads']} / {sh['hidden_size'] // sh['num_attention_heads']} |
+| layers / heads / KV heads / head_dim | {layer_shape} |
 | context | {sh['max_position_embeddings']} positions (trained on {st['seq_len']}-token windows) |
 | tokenizer | byte-level BPE, {sh['vocab_size']} tokens, BOS `<s>` prepended, EOS `</s>` between files |
 

@@ -27,8 +27,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vllm_clover.layers import (DenseLmHead, LmHead, ResidualBlock, StateDictCheckpoint, TorchLlamaDecoderLayer, TorchRMSNorm,
-                                causal_attention, check_num_heads, rms_normalize)
+from vllm_clover.layers import (
+    DenseLmHead,
+    LmHead,
+    ResidualBlock,
+    StateDictCheckpoint,
+    TorchLlamaDecoderLayer,
+    TorchRMSNorm,
+    causal_attention,
+    check_num_heads,
+    rms_normalize,
+)
 
 Regressive = Literal["attention", "mlp", "none"]
 

@@ -84,7 +84,6 @@ def collocation_lengths(head_logits: list[torch.Tensor], input_ids: torch.Tensor
 
     head_logits: K tensors [B, T-1-i, V] -> [B, T-1-K] in 0..K.
     """
-    K = len(head_logits)
     n = head_logits[-1].shape[1]  # positions valid for every head
     correct = torch.stack([(logits[:, :n].argmax(-1) == head_labels(input_ids, i)[:, :n])
                            for i, logits in enumerate(head_logits, start=1)], dim=-1)  # [B, n, K]
