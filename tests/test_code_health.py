@@ -85,8 +85,9 @@ def test_every_table_entry_is_trained_served_and_benchmarked():
 
 
 def test_every_architecture_of_ours_is_registered_with_vllm():
-    import vllm_clover
     from vllm import ModelRegistry
+
+    import vllm_clover
 
     vllm_clover.register()
     for method in TABLE:
