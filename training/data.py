@@ -105,13 +105,19 @@ def file_sha256(path: Path) -> str:
 
 def _render_chat(messages, tokenizer, add_generation_prompt: bool) -> list[int]:
     if tokenizer.chat_template:
-        return list(tokenizer.apply_chat_template(list(messages), tokenize=True,
-                                                  add_generation_prompt=add_generation_prompt))
+        rendered = tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=True,
+                                                 add_generation_prompt=add_generation_prompt)
+        return list(rendered["input_ids"])
     # A base model without a template: a plain transcript it can continue.
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
     if add_generation_prompt:
         text += "assistant: "
     return tokenizer(text).input_ids
+
+
+def chat_prompt_ids(tokenizer, user_message: str) -> list[int]:
+    """One user turn rendered for generation (the chat template, or a plain transcript)."""
+    return _render_chat([{"role": "user", "content": user_message}], tokenizer, add_generation_prompt=True)
 
 
 def tokenize(record: Record, tokenizer) -> list[int]:
