@@ -69,15 +69,18 @@ def test_a_bad_gguf_gets_one_error_and_leaves_nothing(tmp_path, damage, message)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
 
 
-def test_chat_records_render_through_the_chat_template(real_base):
+def test_chat_records_render_through_the_chat_template_and_learn_only_answers(real_base):
     from transformers import AutoTokenizer
 
     from vllm_clover_training.data import Record, prompt_ids, tokenize
 
     tokenizer = AutoTokenizer.from_pretrained(real_base)
     chat = Record("x.jsonl:1", messages=({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}))
-    ids = tokenize(chat, tokenizer)
-    assert all(isinstance(t, int) for t in ids)
-    text = tokenizer.decode(ids)
+    tokens = tokenize(chat, tokenizer)
+    assert all(isinstance(t, int) for t in tokens.ids)
+    text = tokenizer.decode(tokens.ids)
     assert "<|im_start|>user\nHi<|im_end|>" in text and "<|im_start|>assistant\nHello!<|im_end|>" in text
+    # The loss covers the answer and the end-of-turn token the model generates, nothing else.
+    learned = [t for t, m in zip(tokens.ids, tokens.loss_mask, strict=True) if m]
+    assert tokenizer.decode(learned) == "Hello!<|im_end|>"
     assert tokenizer.decode(prompt_ids(chat, tokenizer, 64)).endswith("<|im_start|>assistant\n")

@@ -178,3 +178,28 @@ def test_self_distill_trains_on_the_base_greedy_continuations(demo_base, tmp_pat
         expected = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0].tolist()
     assert cache["sequences"][0] == expected
     assert checkpoint.load_heads(out, demo_base)[0]["vllm_clover"]["method"] == "clover"
+
+
+def test_heads_with_a_draft_vocabulary_train_load_and_serve_exactly(demo_base, train_jsonl, tmp_path):
+    """The heads score 256 of the 4,096 tokens (their drafts are among those: test_draft_vocab.py);
+    vLLM still verifies over all of them, so the output equals plain decoding."""
+    from vllm import SamplingParams
+
+    from conftest import make_llm, shutdown
+    from vllm_clover.spec_metrics import spec_decode_counters
+    from vllm_clover_training.stdlib_corpus import heldout_prompts
+
+    out = tmp_path / "clover"
+    run_cli("clover", "--base-model", demo_base, "--data", train_jsonl, "--out", out, "--draft-vocab-size", "256",
+            *SMALL)
+    config, tensors = checkpoint.load_heads(out, demo_base)
+    assert config["vllm_clover"]["hyper"]["draft_vocab_size"] == 256 and tensors["draft_vocab"].shape == (256,)
+    prompts, params = heldout_prompts(16), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for name, spec in (("plain", None), ("clover", {"method": "clover", "model": str(out)})):
+        llm = make_llm(demo_base, speculative_config=spec, disable_log_stats=False)
+        outputs[name] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        counters = spec_decode_counters(llm, 3)
+        shutdown(llm)
+    assert outputs["clover"] == outputs["plain"]
+    assert counters["draft_tokens"] > 0

@@ -53,6 +53,9 @@ def _train_parser(sub, method: DraftMethod) -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=50, help="steps between resumable states")
     for option in method.train_options:
         p.add_argument(option.flag, dest=_hyper_dest(option.hyper_key), **option.argparse)
+    if method.draft_vocab:
+        p.add_argument("--draft-vocab-size", type=int, default=None,
+                       help="score only the N most frequent learned tokens (default: the full vocabulary)")
     return p
 
 

@@ -55,7 +55,7 @@ def iter_jsonl(path: Path):
             yield where, obj
 
 
-def _record(obj: dict, where: str) -> Record:
+def parse_record(obj: dict, where: str) -> Record:
     if "text" in obj:
         if not isinstance(obj["text"], str) or not obj["text"]:
             raise DataError(f"{where}: field 'text' must be a non-empty string")
@@ -93,7 +93,7 @@ def _sharegpt_messages(turns, where: str) -> tuple[dict, ...]:
 
 
 def read_jsonl(path: Path) -> list[Record]:
-    records = [_record(obj, where) for where, obj in iter_jsonl(path)]
+    records = [parse_record(obj, where) for where, obj in iter_jsonl(path)]
     if not records:
         raise DataError(f"{path}: no records")
     return records
@@ -108,11 +108,53 @@ def _render_chat(messages, tokenizer, add_generation_prompt: bool) -> list[int]:
         rendered = tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=True,
                                                  add_generation_prompt=add_generation_prompt)
         return list(rendered["input_ids"])
-    # A base model without a template: a plain transcript it can continue.
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    return _transcript(messages, tokenizer, add_generation_prompt).ids
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """A tokenised record, and which of its tokens the heads are trained and scored on."""
+
+    ids: list[int]
+    loss_mask: list[int]   # 1: a label to learn (all of a text; a chat's assistant answers)
+
+
+def _transcript(messages, tokenizer, add_generation_prompt: bool) -> Tokens:
+    """A base model without a chat template: a plain transcript it can continue. Pieces are
+    encoded one by one, so an answer's tokens are the same wherever it stands."""
+    ids, mask = list(tokenizer("").input_ids), []  # the tokenizer's own prefix (BOS), if any
+    mask += [0] * len(ids)
+    for m in messages:
+        head = tokenizer(f"{m['role']}: ", add_special_tokens=False).input_ids
+        body = tokenizer(f"{m['content']}\n", add_special_tokens=False).input_ids
+        ids += head + body
+        mask += [0] * len(head) + [int(m["role"] == "assistant")] * len(body)
     if add_generation_prompt:
-        text += "assistant: "
-    return tokenizer(text).input_ids
+        ids += tokenizer("assistant: ", add_special_tokens=False).input_ids
+    return Tokens(ids, mask + [0] * (len(ids) - len(mask)))
+
+
+def _chat_tokens(record: Record, tokenizer) -> Tokens:
+    """The chat through its template, with the loss on each assistant answer up to and
+    including the end-of-turn token the model itself generates (not what the template adds
+    after it)."""
+    messages = list(record.messages)
+    if not tokenizer.chat_template:
+        return _transcript(messages, tokenizer, add_generation_prompt=False)
+    ids = _render_chat(messages, tokenizer, add_generation_prompt=False)
+    mask = [0] * len(ids)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = len(_render_chat(messages[:i], tokenizer, add_generation_prompt=True))
+        end = len(_render_chat(messages[: i + 1], tokenizer, add_generation_prompt=False))
+        if ids[:end] != _render_chat(messages[: i + 1], tokenizer, add_generation_prompt=False):
+            raise DataError(f"{record.source}: the chat template renders turn {i} differently inside the "
+                            "whole chat; cannot tell which tokens are the answer")
+        span = ids[start:end]
+        stop = span.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in span else len(span)
+        mask[start : start + stop] = [1] * stop
+    return Tokens(ids, mask)
 
 
 def chat_prompt_ids(tokenizer, user_message: str) -> list[int]:
@@ -120,10 +162,11 @@ def chat_prompt_ids(tokenizer, user_message: str) -> list[int]:
     return _render_chat([{"role": "user", "content": user_message}], tokenizer, add_generation_prompt=True)
 
 
-def tokenize(record: Record, tokenizer) -> list[int]:
+def tokenize(record: Record, tokenizer) -> Tokens:
     if record.text is not None:
-        return tokenizer(record.text).input_ids
-    return _render_chat(record.messages, tokenizer, add_generation_prompt=False)
+        ids = tokenizer(record.text).input_ids
+        return Tokens(ids, [1] * len(ids))
+    return _chat_tokens(record, tokenizer)
 
 
 def prompt_ids(record: Record, tokenizer, prompt_tokens: int) -> list[int]:
@@ -139,16 +182,35 @@ def prompt_ids(record: Record, tokenizer, prompt_tokens: int) -> list[int]:
     return _render_chat(messages, tokenizer, add_generation_prompt=True)
 
 
-def pack(sequences: list[list[int]], max_len: int, eos_id: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class Windows:
+    """Packed training windows: token ids and loss mask, both [N, max_len]."""
+
+    ids: torch.Tensor
+    loss_mask: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index) -> Windows:
+        return Windows(self.ids[index], self.loss_mask[index])
+
+
+def pack(sequences: list[Tokens], max_len: int, eos_id: int) -> Windows:
     """Concatenate with EOS between sequences and cut into [N, max_len] windows (the tail
-    shorter than one window is dropped)."""
-    stream = [t for seq in sequences for t in (*seq, eos_id)]
-    n = len(stream) // max_len
+    shorter than one window is dropped). The separator is learned after a text (the model
+    ends it) but not after a chat (the answer already ended with its own end token)."""
+    ids, mask = [], []
+    for seq in sequences:
+        ids += [*seq.ids, eos_id]
+        mask += [*seq.loss_mask, seq.loss_mask[-1] if seq.loss_mask else 1]
+    n = len(ids) // max_len
     if n == 0:
-        raise DataError(f"the data has {len(stream)} tokens, fewer than one window of --max-len {max_len}")
-    return torch.tensor(stream[: n * max_len], dtype=torch.long).view(n, max_len)
+        raise DataError(f"the data has {len(ids)} tokens, fewer than one window of --max-len {max_len}")
+    as_windows = lambda xs: torch.tensor(xs[: n * max_len], dtype=torch.long).view(n, max_len)  # noqa: E731
+    return Windows(as_windows(ids), as_windows(mask))
 
 
-def packed_files(paths: list[Path], tokenizer, max_len: int) -> torch.Tensor:
+def packed_files(paths: list[Path], tokenizer, max_len: int) -> Windows:
     """Every record of every file, tokenised as is and packed into windows."""
     return pack([tokenize(r, tokenizer) for p in paths for r in read_jsonl(p)], max_len, tokenizer.eos_token_id)

@@ -1,7 +1,9 @@
 """Self-distillation data: the base model's own greedy continuations, generated with vLLM.
 
 Heads trained on what the base itself writes learn the distribution they will be
-verified against (Medusa-2 and EAGLE do the same).
+verified against (Medusa-2 and EAGLE do the same; the Clover paper regenerates ShareGPT's
+answers with its target). Text records are continued; chat records get the base's own
+answer as their assistant turn, the way a chat model is served.
 """
 
 from __future__ import annotations
@@ -11,33 +13,82 @@ from pathlib import Path
 
 from vllm_clover.atomic import atomic_write_text
 
+CHUNK = 256  # prompts per generate() call in distill_jsonl: the unit of resumption
+OUR_FIELDS = ("text", "messages", "conversations")
+
+
+def open_engine(base_dir: Path, dtype: str):
+    from vllm import LLM
+
+    max_len = min(json.loads((Path(base_dir) / "config.json").read_text())["max_position_embeddings"], 4096)
+    return LLM(model=str(base_dir), dtype=dtype, seed=0, max_model_len=max_len, kv_cache_memory_bytes=1 << 30), max_len
+
+
+def greedy(llm, max_len: int, prompts: list[list[int]], new_tokens: int, progress: bool = True):
+    """(the prompts as generated from, left-truncated to fit; vLLM's outputs) for greedy decoding
+    of up to `new_tokens`, stopping at EOS."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [p[-(max_len - new_tokens):] for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=new_tokens)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=progress)
+    return prompts, outputs
+
 
 def generate_continuations(base_dir: Path, prompts: list[list[int]], new_tokens: int, dtype: str) -> list[list[int]]:
     """prompt + greedy continuation (up to `new_tokens`, stopping at EOS) for every prompt."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    max_len = json.loads((Path(base_dir) / "config.json").read_text())["max_position_embeddings"]
-    prompts = [p[-(max_len - new_tokens):] for p in prompts]
-    llm = LLM(model=str(base_dir), dtype=dtype, seed=0, max_model_len=max_len,
-              kv_cache_memory_bytes=512 << 20)
-    params = SamplingParams(temperature=0, max_tokens=new_tokens)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=True)
+    llm, max_len = open_engine(base_dir, dtype)
+    prompts, outputs = greedy(llm, max_len, prompts, new_tokens)
     del llm
-    return [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs)]
+    return [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs, strict=True)]
 
 
 def distill_jsonl(base_dir: Path, data: list[Path], out: Path, prompt_tokens: int, new_tokens: int,
                   dtype: str) -> dict:
-    """Write {"text": prompt + greedy continuation} per record of `data` to `out`."""
+    """Write one line per record of `data` to `out`: {"text": prompt + greedy continuation}
+    for text, or the chat with the base's answer as its last turn ({"messages": [...],
+    "finished": whether it ended with EOS}); other fields of the record are kept.
+
+    Resumable: finished chunks are appended to OUT.partial and skipped by a rerun."""
     from transformers import AutoTokenizer
 
     from vllm_clover_training import data as data_mod
 
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    records = [r for path in data for r in data_mod.read_jsonl(path)]
+    raw = [(where, obj) for path in data for where, obj in data_mod.iter_jsonl(path)]
+    records = [data_mod.parse_record(obj, where) for where, obj in raw]  # every line checked before vLLM starts
     prompts = [data_mod.prompt_ids(r, tokenizer, prompt_tokens) for r in records]
-    sequences = generate_continuations(base_dir, prompts, new_tokens, dtype)
-    atomic_write_text(out, "".join(json.dumps({"text": tokenizer.decode(s, skip_special_tokens=True)}) + "\n"
-                                   for s in sequences))
-    return {"records": len(sequences), "tokens": sum(map(len, sequences)), "out": str(out)}
+    partial = out.with_name(out.name + ".partial")
+    done = partial.read_text().splitlines(keepends=True) if partial.exists() else []
+    if len(done) < len(records):
+        llm, max_len = open_engine(base_dir, dtype)
+        for start in range(len(done), len(records), CHUNK):
+            chunk = slice(start, start + CHUNK)
+            used, outputs = greedy(llm, max_len, prompts[chunk], new_tokens)
+            lines = [json.dumps(distilled_line(record, obj, tokenizer, prompt, output.outputs[0])) + "\n"
+                     for record, (_, obj), prompt, output in zip(records[chunk], raw[chunk], used, outputs,
+                                                                  strict=True)]
+            with open(partial, "a") as f:
+                f.writelines(lines)
+            done += lines
+        del llm
+    atomic_write_text(out, "".join(done))
+    partial.unlink(missing_ok=True)
+    rows = [json.loads(line) for line in done]
+    return {"records": len(rows), "answer_tokens": sum(r["answer_tokens"] for r in rows), "out": str(out)}
+
+
+def distilled_line(record, obj: dict, tokenizer, prompt: list[int], completion) -> dict:
+    """One output line for one record: its other fields, then the distilled text or chat."""
+    answer = list(completion.token_ids)
+    kept = {k: v for k, v in obj.items() if k not in OUR_FIELDS}
+    if record.text is not None:
+        return {**kept, "text": tokenizer.decode(prompt + answer, skip_special_tokens=True),
+                "answer_tokens": len(answer)}
+    turns = list(record.messages)
+    while turns and turns[-1]["role"] == "assistant":
+        turns.pop()  # regenerated by the base
+    reply = {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}
+    return {**kept, "messages": [*turns, reply], "finished": completion.finish_reason == "stop",
+            "answer_tokens": len(answer)}

@@ -1,7 +1,8 @@
 """Head accuracy on held-out data, and CLP's threshold sweep.
 
-Head i's top-k accuracy counts, over every position where its label exists, whether
-x_{t+1+i} is among its k best tokens, with earlier regressive inputs teacher-forced
+Head i's top-k accuracy counts, over every position where its label exists and the loss
+mask keeps it (a chat's answers, all of a text), whether x_{t+1+i} is among its k best
+tokens (never, for a token outside a draft vocabulary), with earlier regressive inputs teacher-forced
 (so it is head i's accuracy given that heads 1..i-1 were right: the case in which
 verification ever reaches head i).
 """
@@ -19,40 +20,46 @@ from vllm_clover.clp import collocation_lengths, lengths_at_threshold
 from vllm_clover.layers import head_labels
 from vllm_clover_training import data as data_mod
 from vllm_clover_training.base import FrozenBase, load_base
+from vllm_clover_training.data import Windows
+from vllm_clover_training.objective import counted, label_ids
 
 TAUS = [round(0.05 * i, 2) for i in range(1, 20)]
 
 
 @torch.no_grad()
-def _predictions(heads, base: FrozenBase, windows: torch.Tensor, batch_size: int):
-    """(input_ids, per-head logits, length logits or None) batch by batch."""
+def _predictions(heads, base: FrozenBase, windows: Windows, batch_size: int):
+    """(the batch's windows, its label ids, per-head logits, length logits or None) batch by batch."""
     for start in range(0, len(windows), batch_size):
-        ids = windows[start : start + batch_size]
-        yield ids, *heads(base.hidden_states(ids), ids, base.lm_head_weight)
+        batch = windows[start : start + batch_size]
+        labels = label_ids(heads, batch, base.config.vocab_size)
+        yield batch, labels, *heads(base.hidden_states(batch.ids), batch.ids, base.lm_head_weight)
 
 
-def _length_predictions(length_logits: torch.Tensor, logits: list[torch.Tensor], ids: torch.Tensor):
-    """(P(L*) [n, K+1], L* [n]) at every position where all heads have a label."""
-    target = collocation_lengths(logits, ids)
-    return length_logits[:, : target.shape[1]].softmax(-1).flatten(0, 1), target.flatten()
+def _length_predictions(length_logits: torch.Tensor, logits: list[torch.Tensor], batch: Windows,
+                        labels: torch.Tensor):
+    """(P(L*) [n, K+1], L* [n]) at every position where all heads have a label and the loss
+    mask keeps the first one."""
+    target = collocation_lengths(logits, labels)
+    keep = counted(batch, 1)[:, : target.shape[1]]
+    return length_logits[:, : target.shape[1]][keep].softmax(-1), target[keep]
 
 
 @torch.no_grad()
-def evaluate_module(method: str, heads, base: FrozenBase, windows: torch.Tensor, batch_size: int) -> dict:
+def evaluate_module(method: str, heads, base: FrozenBase, windows: Windows, batch_size: int) -> dict:
     hits = None
     counts = None
     length_probs, length_targets = [], []
-    for ids, logits, length_logits in _predictions(heads, base, windows, batch_size):
+    for batch, labels_all, logits, length_logits in _predictions(heads, base, windows, batch_size):
         if hits is None:
             hits, counts = torch.zeros(len(logits), 2), torch.zeros(len(logits))
         for i, lg in enumerate(logits, start=1):
-            labels = head_labels(ids, i)
+            labels, keep = head_labels(labels_all, i), counted(batch, i)
             top5 = lg.topk(5, dim=-1).indices
-            hits[i - 1, 0] += (top5[..., 0] == labels).sum()
-            hits[i - 1, 1] += (top5 == labels[..., None]).any(-1).sum()
-            counts[i - 1] += labels.numel()
+            hits[i - 1, 0] += ((top5[..., 0] == labels) & keep).sum()
+            hits[i - 1, 1] += ((top5 == labels[..., None]).any(-1) & keep).sum()
+            counts[i - 1] += keep.sum()
         if length_logits is not None:
-            probs, target = _length_predictions(length_logits, logits, ids)
+            probs, target = _length_predictions(length_logits, logits, batch, labels_all)
             length_probs.append(probs)
             length_targets.append(target)
     acc = hits / counts[:, None]
@@ -76,11 +83,11 @@ def length_report(probs: torch.Tensor, target: torch.Tensor, tau: float) -> dict
 
 
 @torch.no_grad()
-def choose_tau(heads, base: FrozenBase, windows: torch.Tensor, batch_size: int) -> tuple[float, list[dict]]:
+def choose_tau(heads, base: FrozenBase, windows: Windows, batch_size: int) -> tuple[float, list[dict]]:
     """Sweep tau on validation data; keep the one with most accepted minus wrong drafted
     tokens per step (a drafted token must be more often right than wrong to pay)."""
-    pairs = [_length_predictions(length_logits, logits, ids)
-             for ids, logits, length_logits in _predictions(heads, base, windows, batch_size)]
+    pairs = [_length_predictions(length_logits, logits, batch, labels)
+             for batch, labels, logits, length_logits in _predictions(heads, base, windows, batch_size)]
     probs, target = torch.cat([p for p, _ in pairs]), torch.cat([t for _, t in pairs])
     sweep = [{"tau": tau, **length_report(probs, target, tau)} for tau in TAUS]
     best = max(sweep, key=lambda r: (r["expected_accepted"] - r["expected_wrong"], -r["tau"]))

@@ -1,6 +1,10 @@
 """The training loss of every method: per-head cross-entropy, plus a length term for heads
 with a length predictor (CLP). What differs between methods lives in their heads module's
 forward (methods.DraftHeads): here each is one call.
+
+Labels: head i at position t is trained on x_{t+1+i} where the window's loss mask allows it
+(a chat's answers, all of a text), as an index into the heads' output vocabulary (the full
+one, or a draft vocabulary: layers.DraftVocabulary; tokens outside it are never right).
 """
 
 from __future__ import annotations
@@ -10,30 +14,49 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vllm_clover.clp import collocation_lengths
-from vllm_clover.layers import head_labels
+from vllm_clover.layers import IGNORE, draft_vocab_labels, head_labels
 from vllm_clover_training.base import FrozenBase
+from vllm_clover_training.data import Windows
 
 
-def losses(heads: nn.Module, base: FrozenBase, input_ids: torch.Tensor,
+def label_ids(heads: nn.Module, windows: Windows, vocab_size: int) -> torch.Tensor:
+    """[B, T]: each token as a label of the heads' output vocabulary, IGNORE where the loss mask
+    is 0; head i's labels are `head_labels(label_ids, i)`."""
+    draft_vocab = getattr(getattr(heads, "module", heads), "draft_vocab", None)  # through DDP
+    labels = draft_vocab_labels(windows.ids, draft_vocab, vocab_size)
+    return labels.masked_fill(windows.loss_mask == 0, IGNORE)
+
+
+def counted(windows: Windows, head: int) -> torch.Tensor:
+    """[B, T-1-head]: positions whose head-`head` label the loss mask keeps."""
+    return head_labels(windows.loss_mask, head) == 1
+
+
+def losses(heads: nn.Module, base: FrozenBase, windows: Windows,
            head_weight_decay: float = 1.0) -> tuple[torch.Tensor, dict]:
     """Sum of per-head cross-entropy (head i weighted by decay**(i-1)), plus, with a length
     predictor, its cross-entropy against L* measured on the heads' current guesses.
     `heads` may be wrapped in DistributedDataParallel: it is called once, through forward."""
-    logits, length_logits = heads(base.hidden_states(input_ids), input_ids, base.lm_head_weight)
+    ids = windows.ids
+    logits, length_logits = heads(base.hidden_states(ids), ids, base.lm_head_weight)
+    labels_all = label_ids(heads, windows, base.config.vocab_size)
     total = torch.zeros(())
     metrics = {}
     for i, lg in enumerate(logits, start=1):
-        labels = head_labels(input_ids, i)
-        ce = F.cross_entropy(lg.flatten(0, 1), labels.flatten())
+        labels, keep = head_labels(labels_all, i), counted(windows, i)
+        ce = F.cross_entropy(lg.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+        ce = ce / keep.sum().clamp(min=1)  # tokens outside a draft vocabulary count as misses
         total = total + head_weight_decay ** (i - 1) * ce
         metrics[f"loss_{i}"] = ce.item()
-        metrics[f"top1_{i}"] = (lg.argmax(-1) == labels).float().mean().item()
+        metrics[f"top1_{i}"] = ((lg.argmax(-1) == labels) & keep).sum().item() / max(keep.sum().item(), 1)
     if length_logits is not None:
-        target = collocation_lengths([lg.detach() for lg in logits], input_ids)
+        target = collocation_lengths([lg.detach() for lg in logits], labels_all)
         length_logits = length_logits[:, : target.shape[1]]
-        length_ce = F.cross_entropy(length_logits.flatten(0, 1), target.flatten())
+        keep = counted(windows, 1)[:, : target.shape[1]]  # positions inside an answer (or text)
+        length_ce = F.cross_entropy(length_logits[keep], target[keep]) if keep.any() else torch.zeros(())
         total = total + length_ce
         metrics["loss_length"] = length_ce.item()
-        metrics["length_acc"] = (length_logits.argmax(-1) == target).float().mean().item()
+        hits = (length_logits[keep].argmax(-1) == target[keep]).sum().item()
+        metrics["length_acc"] = hits / max(keep.sum().item(), 1)
     metrics["loss"] = total.item()
     return total, metrics

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from vllm_clover import checkpoint
 from vllm_clover.atomic import atomic_torch_save, atomic_write_text
+from vllm_clover.layers import most_frequent_tokens
 from vllm_clover.methods import BY_NAME
 from vllm_clover_training import data as data_mod
 from vllm_clover_training.base import FrozenBase, load_base
@@ -47,6 +48,7 @@ class TrainArgs:
     distill_prompt_tokens: int = 64
     distill_new_tokens: int = 256
     head_weight_decay: float = 1.0
+    draft_vocab_size: int | None = None         # N most frequent learned tokens (methods with draft_vocab)
     save_every: int = 50
     hyper: dict = field(default_factory=dict)   # method-specific (methods.TABLE's train_options)
     command: list[str] = field(default_factory=lambda: list(sys.argv))
@@ -76,7 +78,7 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
-def training_sequences(args: TrainArgs, tokenizer, work: Path, ddp: Distributed) -> list[list[int]]:
+def training_sequences(args: TrainArgs, tokenizer, work: Path, ddp: Distributed) -> list[data_mod.Tokens]:
     records = [r for path in args.data for r in data_mod.read_jsonl(path)]
     if not args.self_distill:
         return [data_mod.tokenize(r, tokenizer) for r in records]
@@ -89,9 +91,13 @@ def training_sequences(args: TrainArgs, tokenizer, work: Path, ddp: Distributed)
 
         prompts = [data_mod.prompt_ids(r, tokenizer, args.distill_prompt_tokens) for r in records]
         sequences = generate_continuations(args.base_model, prompts, args.distill_new_tokens, args.dtype)
-        atomic_write_text(cache, json.dumps({"key": key, "sequences": sequences}))
+        atomic_write_text(cache, json.dumps({"key": key, "sequences": sequences,
+                                             "prompt_lengths": [len(p) for p in prompts]}))
     ddp.barrier()
-    return json.loads(cache.read_text())["sequences"]
+    cached = json.loads(cache.read_text())
+    # A continued text is learned whole, as before distillation; a chat only in its answer.
+    return [data_mod.Tokens(seq, [1] * len(seq) if r.text is not None else [0] * n + [1] * (len(seq) - n))
+            for r, seq, n in zip(records, cached["sequences"], cached["prompt_lengths"], strict=True)]
 
 
 def git_commit() -> str:
@@ -131,7 +137,11 @@ def train(args: TrainArgs) -> dict:
     windows = data_mod.pack(training_sequences(args, tokenizer, work, ddp), args.max_len,
                             tokenizer.eos_token_id)
     torch.manual_seed(args.seed)
-    heads = BY_NAME[args.method].heads.from_base(base, args.num_heads, args.hyper)
+    draft_vocab = None
+    if args.draft_vocab_size:
+        draft_vocab = most_frequent_tokens(windows.ids[windows.loss_mask == 1], args.draft_vocab_size,
+                                           base.config.vocab_size)
+    heads = BY_NAME[args.method].heads.from_base(base, args.num_heads, args.hyper, draft_vocab)
     model = torch.nn.parallel.DistributedDataParallel(heads) if ddp.world > 1 else heads
     optimizer = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad],
                                   lr=args.lr, betas=(0.9, 0.999))

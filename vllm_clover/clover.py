@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from vllm_clover.layers import (
     DenseLmHead,
+    DraftVocabulary,
     LmHead,
     ResidualBlock,
     StateDictCheckpoint,
@@ -59,6 +60,7 @@ class CloverConfig:
     # Ablations of the paper's Figure 7a.
     augmenting_block: bool = True
     regressive: Regressive = "attention"
+    draft_vocab_size: int | None = None  # N: heads score N frequent tokens (layers.DraftVocabulary)
 
     def __post_init__(self):
         check_num_heads(self.num_heads)
@@ -108,7 +110,7 @@ class ConcatMlpDecoder(nn.Module):
         return h + F.silu(self.proj(torch.cat([self.norm(h), e], dim=-1)))
 
 
-class CloverHeads(StateDictCheckpoint, nn.Module):
+class CloverHeads(StateDictCheckpoint, DraftVocabulary, nn.Module):
     def __init__(self, config: CloverConfig):
         super().__init__()
         c = self.config = config
@@ -121,6 +123,7 @@ class CloverHeads(StateDictCheckpoint, nn.Module):
         elif c.regressive == "mlp":
             self.decoder = ConcatMlpDecoder(c.hidden_size, c.rms_norm_eps)
         self.mlps = nn.ModuleList(ResidualBlock(c.hidden_size) for _ in range(c.num_heads))
+        self.init_draft_vocab(c.draft_vocab_size)
 
     @property
     def num_heads(self) -> int:
@@ -129,7 +132,7 @@ class CloverHeads(StateDictCheckpoint, nn.Module):
     # ---- the method-table interface (methods.DraftHeads) ----
 
     @classmethod
-    def from_base(cls, base, num_heads: int, hyper: dict) -> CloverHeads:
+    def from_base(cls, base, num_heads: int, hyper: dict, draft_vocab: torch.Tensor | None = None) -> CloverHeads:
         """The augmenting block takes the base's decoder-layer shape and starts as its last layer."""
         c = base.config
         heads = cls(CloverConfig(
@@ -137,8 +140,11 @@ class CloverHeads(StateDictCheckpoint, nn.Module):
             intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
             num_key_value_heads=c.num_key_value_heads,
             head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-            rms_norm_eps=c.rms_norm_eps, rope_theta=rope_theta(c), **hyper))
+            rms_norm_eps=c.rms_norm_eps, rope_theta=rope_theta(c),
+            draft_vocab_size=None if draft_vocab is None else len(draft_vocab), **hyper))
         heads.init_from_base(base.last_layer_state(), base.final_norm_weight())
+        if draft_vocab is not None:
+            heads.set_draft_vocab(draft_vocab)
         return heads
 
     @classmethod
@@ -172,8 +178,9 @@ class CloverHeads(StateDictCheckpoint, nn.Module):
 
     def forward(self, h_base: torch.Tensor, input_ids: torch.Tensor,
                 lm_head_weight: torch.Tensor) -> tuple[list[torch.Tensor], None]:
-        """(per head, logits [B, T-1-i, V] through the base's LM head; no length logits)."""
-        return [h @ lm_head_weight.T for h in self.head_hidden_states(h_base, input_ids, lm_head_weight)], None
+        """(per head, logits [B, T-1-i, V or N] through the base's LM head; no length logits)."""
+        out_weight = self.output_weight(lm_head_weight)
+        return [h @ out_weight.T for h in self.head_hidden_states(h_base, input_ids, lm_head_weight)], None
 
     def head_hidden_states(self, h_base: torch.Tensor, input_ids: torch.Tensor, lm_head_weight: torch.Tensor,
                            positions: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -209,12 +216,13 @@ class CloverHeads(StateDictCheckpoint, nn.Module):
 
     @torch.no_grad()
     def draft(self, h0: torch.Tensor, first_token: torch.Tensor, lm_head: LmHead, num_tokens: int) -> torch.Tensor:
-        """Greedy chain of `num_tokens` drafts per row. h0 [N, H] (augmented), first_token [N]
-        (what the base just sampled) -> [N, num_tokens] token ids."""
+        """Greedy chain of `num_tokens` drafts per row. h0 [R, H] (augmented), first_token [R]
+        (what the base just sampled) -> [R, num_tokens] token ids. `lm_head` is what the heads
+        draft through: `output_head(the base's LM head)`."""
         h, token, drafts = h0, first_token, []
         for i in range(num_tokens):
             h, out = self.step(i, h, rms_normalize(lm_head.rows(token)))
-            token = lm_head.logits(out).argmax(-1)
+            token = lm_head.greedy(out)
             drafts.append(token)
         return torch.stack(drafts, dim=-1)
 

@@ -16,37 +16,44 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from vllm_clover.layers import LmHead, ResidualBlock, StateDictCheckpoint, check_num_heads, head_labels
+from vllm_clover.layers import DraftVocabulary, LmHead, ResidualBlock, StateDictCheckpoint, check_num_heads, head_labels
 
 
-class ClpHeads(StateDictCheckpoint, nn.Module):
-    def __init__(self, num_heads: int, hidden_size: int, tau: float = 0.5):
+class ClpHeads(StateDictCheckpoint, DraftVocabulary, nn.Module):
+    def __init__(self, num_heads: int, hidden_size: int, tau: float = 0.5, draft_vocab_size: int | None = None):
         super().__init__()
         check_num_heads(num_heads)
         self.num_heads = num_heads
         self.tau = tau
         self.mlps = nn.ModuleList(ResidualBlock(hidden_size) for _ in range(num_heads))
         self.length = nn.Linear(hidden_size, num_heads + 1)
+        self.init_draft_vocab(draft_vocab_size)
 
     # ---- the method-table interface (methods.DraftHeads) ----
 
     @classmethod
-    def from_base(cls, base, num_heads: int, hyper: dict) -> ClpHeads:
-        return cls(num_heads, base.config.hidden_size, **hyper)
+    def from_base(cls, base, num_heads: int, hyper: dict, draft_vocab: torch.Tensor | None = None) -> ClpHeads:
+        heads = cls(num_heads, base.config.hidden_size, draft_vocab_size=None if draft_vocab is None
+                    else len(draft_vocab), **hyper)
+        if draft_vocab is not None:
+            heads.set_draft_vocab(draft_vocab)
+        return heads
 
     @classmethod
     def from_checkpoint(cls, config: dict) -> ClpHeads:
         hyper = config["vllm_clover"]["hyper"]
-        return cls(hyper["num_heads"], config["hidden_size"], tau=hyper["tau"])
+        return cls(hyper["num_heads"], config["hidden_size"], tau=hyper["tau"],
+                   draft_vocab_size=hyper.get("draft_vocab_size"))
 
     def checkpoint_hyper(self) -> dict:
-        return {"num_heads": self.num_heads, "tau": self.tau}
+        size = None if self.draft_vocab is None else len(self.draft_vocab)
+        return {"num_heads": self.num_heads, "tau": self.tau, "draft_vocab_size": size}
 
     def forward(self, h_base: torch.Tensor, input_ids: torch.Tensor,
                 lm_head_weight: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """(per head, logits [B, T-1-i, V] through the base's LM head; length logits [B, T, K+1])."""
-        T = h_base.shape[1]
-        logits = [mlp(h_base[:, : T - 1 - i]) @ lm_head_weight.T for i, mlp in enumerate(self.mlps, start=1)]
+        """(per head, logits [B, T-1-i, V or N] through the base's LM head; length logits [B, T, K+1])."""
+        T, out_weight = h_base.shape[1], self.output_weight(lm_head_weight)
+        logits = [mlp(h_base[:, : T - 1 - i]) @ out_weight.T for i, mlp in enumerate(self.mlps, start=1)]
         return logits, self.length(h_base)
 
     @torch.no_grad()
@@ -56,10 +63,10 @@ class ClpHeads(StateDictCheckpoint, nn.Module):
 
     @torch.no_grad()
     def draft(self, h: torch.Tensor, lm_head: LmHead, num_tokens: int | None = None) -> torch.Tensor:
-        """h [N, H] -> [N, num_tokens] guesses for x_{t+2}.. from the first heads (truncate
-        each row to its draft length)."""
+        """h [R, H] -> [R, num_tokens] guesses for x_{t+2}.. from the first heads (truncate
+        each row to its draft length). `lm_head`: `output_head(the base's LM head)`."""
         mlps = self.mlps[: self.num_heads if num_tokens is None else num_tokens]
-        return torch.stack([lm_head.logits(mlp(h)).argmax(-1) for mlp in mlps], dim=-1)
+        return torch.stack([lm_head.greedy(mlp(h)) for mlp in mlps], dim=-1)
 
     @torch.no_grad()
     def propose(self, h: torch.Tensor, next_token: torch.Tensor, lm_head: LmHead,
@@ -79,12 +86,13 @@ def lengths_at_threshold(probs: torch.Tensor, tau: float) -> torch.Tensor:
     return (at_least >= tau).sum(-1) - 1
 
 
-def collocation_lengths(head_logits: list[torch.Tensor], input_ids: torch.Tensor) -> torch.Tensor:
+def collocation_lengths(head_logits: list[torch.Tensor], label_ids: torch.Tensor) -> torch.Tensor:
     """L*: at each position where all K heads have a label, how many leading heads are right.
 
-    head_logits: K tensors [B, T-1-i, V] -> [B, T-1-K] in 0..K.
+    head_logits: K tensors [B, T-1-i, V or N]; label_ids [B, T]: the tokens as indices into the
+    heads' output vocabulary (layers.draft_vocab_labels) -> [B, T-1-K] in 0..K.
     """
     n = head_logits[-1].shape[1]  # positions valid for every head
-    correct = torch.stack([(logits[:, :n].argmax(-1) == head_labels(input_ids, i)[:, :n])
+    correct = torch.stack([(logits[:, :n].argmax(-1) == head_labels(label_ids, i)[:, :n])
                            for i, logits in enumerate(head_logits, start=1)], dim=-1)  # [B, n, K]
     return correct.long().cumprod(-1).sum(-1)

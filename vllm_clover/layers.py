@@ -19,13 +19,16 @@ AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 class LmHead(Protocol):
     """The base model's output projection, as the draft heads use it. Training holds the
-    weight matrix (`DenseLmHead`); vLLM holds a vocab-sharded layer behind the same two calls."""
+    weight matrix (`DenseLmHead`); vLLM holds a vocab-sharded layer behind the same calls."""
 
     def rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The LM-head weight rows of `token_ids` ([...] -> [..., H])."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V]."""
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [...] the token id with the highest logit."""
 
 
 class DenseLmHead:
@@ -37,6 +40,73 @@ class DenseLmHead:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.weight.T
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits(hidden).argmax(-1)
+
+
+class DraftVocabHead:
+    """The LM head restricted to a draft vocabulary (FR-Spec, EAGLE-3's `d2t`): heads score
+    only its N most frequent tokens instead of all V, so each draft step reads N rows of the
+    LM head, not V. Drafts can only be those N tokens; verification still scores the full
+    vocabulary, so outputs are unchanged, and only drafts outside it are lost."""
+
+    def __init__(self, lm_head: LmHead, draft_vocab: torch.Tensor):
+        self.full, self.draft_vocab = lm_head, draft_vocab
+        self.weight = lm_head.rows(draft_vocab)  # [N, H], gathered once
+
+    def rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.full.rows(token_ids)  # the regressive input of any token, drafted or sampled
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., N], in draft-vocabulary order."""
+        return hidden @ self.weight.T
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.draft_vocab[self.logits(hidden).argmax(-1)]
+
+
+IGNORE = -100  # F.cross_entropy's ignore_index: a label the heads cannot or should not predict
+
+
+class DraftVocabulary:
+    """Mixin for heads that may score a reduced draft vocabulary (Clover, CLP): the token ids
+    live in a buffer `draft_vocab` [N], saved in the checkpoint; None scores the full vocabulary."""
+
+    draft_vocab: torch.Tensor | None
+
+    def init_draft_vocab(self, size: int | None) -> None:
+        if size is None:
+            self.draft_vocab = None
+        else:
+            self.register_buffer("draft_vocab", torch.zeros(size, dtype=torch.long))
+
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        self.draft_vocab.copy_(token_ids)
+
+    def output_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Training: the LM-head rows the heads' logits are computed over ([N or V, H])."""
+        return lm_head_weight if self.draft_vocab is None else lm_head_weight[self.draft_vocab]
+
+    def output_head(self, lm_head: LmHead) -> LmHead:
+        """Serving: the LM head the heads draft through (build once, it gathers N rows)."""
+        return lm_head if self.draft_vocab is None else DraftVocabHead(lm_head, self.draft_vocab)
+
+
+def draft_vocab_labels(token_ids: torch.Tensor, draft_vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """Token ids as indices into the heads' output vocabulary: unchanged without a draft
+    vocabulary, else the index in it, or IGNORE for tokens outside it (never predictable)."""
+    if draft_vocab is None:
+        return token_ids
+    index = torch.full((vocab_size,), IGNORE, dtype=torch.long, device=token_ids.device)
+    index[draft_vocab] = torch.arange(len(draft_vocab), device=token_ids.device)
+    return index[token_ids]
+
+
+def most_frequent_tokens(token_ids: torch.Tensor, n: int, vocab_size: int) -> torch.Tensor:
+    """The n most frequent ids in `token_ids` (ties by id), as a draft vocabulary."""
+    counts = torch.bincount(token_ids.flatten(), minlength=vocab_size)
+    return torch.sort(counts, descending=True, stable=True).indices[:n]
 
 
 class StateDictCheckpoint:

@@ -25,8 +25,10 @@ class MedusaHeads(nn.Module):
     # ---- the method-table interface (methods.DraftHeads) ----
 
     @classmethod
-    def from_base(cls, base, num_heads: int, hyper: dict) -> MedusaHeads:
+    def from_base(cls, base, num_heads: int, hyper: dict, draft_vocab: torch.Tensor | None = None) -> MedusaHeads:
         """Every head's LM head starts as a copy of the base's."""
+        if draft_vocab is not None:
+            raise ValueError("Medusa heads are written in vLLM's own format, which has no draft vocabulary here")
         heads = cls(num_heads, base.config.hidden_size, base.config.vocab_size)
         for head in heads.lm_heads:
             head.weight.data.copy_(base.lm_head_weight)

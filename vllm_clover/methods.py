@@ -43,8 +43,10 @@ class DraftHeads(Protocol):
     num_heads: int
 
     @classmethod
-    def from_base(cls, base: FrozenBaseView, num_heads: int, hyper: dict) -> DraftHeads:
-        """Fresh heads for training, initialised from the base where the method says so."""
+    def from_base(cls, base: FrozenBaseView, num_heads: int, hyper: dict,
+                  draft_vocab: torch.Tensor | None = None) -> DraftHeads:
+        """Fresh heads for training, initialised from the base where the method says so; with
+        `draft_vocab` (token ids, for methods whose table entry allows it) they score only those."""
 
     @classmethod
     def from_checkpoint(cls, config: dict) -> DraftHeads:
@@ -64,11 +66,15 @@ class DraftHeads(Protocol):
     def forward(self, h_base: torch.Tensor, input_ids: torch.Tensor, lm_head_weight: torch.Tensor) -> HeadOutputs:
         """Training: all heads at all positions, teacher-forced (see clover.py's shift)."""
 
+    def output_head(self, lm_head: LmHead) -> LmHead:
+        """Serving (plugin-served methods only): the LM head to draft through, built once from
+        the base's (a draft-vocabulary view of it, or the head itself)."""
+
     def propose(self, h: torch.Tensor, next_token: torch.Tensor, lm_head: LmHead,
                 budgets: list[int]) -> list[list[int]]:
         """Serving (plugin-served methods only): up to budgets[r] draft tokens for row r.
         h [R, H] is the (augmented) hidden state at each request's last accepted token,
-        next_token [R] the token the target just sampled there."""
+        next_token [R] the token the target just sampled there, lm_head `output_head(...)`."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,8 @@ class DraftMethod:
     augmenting_kv: str | None = None
     # The length threshold (hyper "tau") is chosen on the eval data at the end of training.
     length_predictor: bool = False
+    # The heads may score a reduced draft vocabulary (`--draft-vocab-size`, layers.DraftVocabulary).
+    draft_vocab: bool = False
 
     def has_augmenting_block(self, hyper: dict) -> bool:
         return self.augmenting_kv is not None and bool(hyper.get(self.augmenting_kv))
@@ -134,7 +142,7 @@ TABLE: tuple[DraftMethod, ...] = (
             TrainOption("--decoder-heads", "decoder_heads",
                         dict(type=int, default=4, help="gate heads of the attention decoder")),
         ),
-        augmenting_kv="augmenting_block",
+        augmenting_kv="augmenting_block", draft_vocab=True,
     ),
     DraftMethod(
         name="clp", heads=ClpHeads, description="CLP heads and collocation-length predictor",
@@ -142,7 +150,7 @@ TABLE: tuple[DraftMethod, ...] = (
         serving_options=(ServingOption("clp_tau", "tau", _clp_tau),),
         train_options=(TrainOption("--tau", "tau", dict(type=float, default=0.5,
                                                         help="threshold used when no --eval-data picks one")),),
-        length_predictor=True,
+        length_predictor=True, draft_vocab=True,
     ),
     DraftMethod(
         name="medusa", heads=MedusaHeads, description="Medusa heads in vLLM's own format (baseline)",

@@ -54,6 +54,9 @@ class VllmLmHead:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.compute_logits(hidden)
 
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits(hidden).argmax(-1)
+
 
 class HeadsDraftModel(nn.Module):
     """Any plugin-served method's heads (methods.TABLE), as the runner hook recognises them."""
@@ -87,7 +90,7 @@ class HeadsDraftModel(nn.Module):
     def bind_target(self, target: nn.Module) -> None:
         if not self._target:
             self._target.append(target)
-            self.lm_head = VllmLmHead(target)
+            self.lm_head = self.heads.output_head(VllmLmHead(target))  # a draft vocabulary's rows: once
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Only MedusaProposer.dummy_run calls this (memory profiling); drafting is `propose`."""
