@@ -84,6 +84,21 @@ def jsonl_prompts(path: Path, n: int) -> list[str]:
     return prompts
 
 
+def request_inputs(prompts: list[str], base_model: Path, raw: bool) -> list:
+    """What each request sends: with a chat model, the prompt as one user turn through its chat
+    template (token ids, so no second BOS is added); otherwise, or with `raw`, the text itself."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base_model)
+    if raw or not tokenizer.chat_template:
+        return prompts
+    from vllm.inputs import TokensPrompt
+
+    from vllm_clover_training.data import chat_prompt_ids
+
+    return [TokensPrompt(prompt_token_ids=chat_prompt_ids(tokenizer, p)) for p in prompts]
+
+
 # ---- measuring inside the engine ----
 
 def install_step_timers(worker):
@@ -134,7 +149,7 @@ def token_mismatches(ours: list[list[int]], reference: list[list[int]]) -> list[
 
 # ---- one method ----
 
-def run_method(method: str, args, prompts: list[str], progress) -> dict:
+def run_method(method: str, args, prompts: list, progress) -> dict:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(args.base_model), speculative_config=speculative_config(method, args.heads_dir, args.k),
@@ -154,7 +169,7 @@ def run_method(method: str, args, prompts: list[str], progress) -> dict:
         llm.llm_engine.engine_core.shutdown()
 
 
-def measure(llm, prompts: list[str], batch_size: int, params, k: int) -> dict:
+def measure(llm, prompts: list, batch_size: int, params, k: int) -> dict:
     llm.collective_rpc(read_step_timers)  # reset
     before = spec_decode_counters(llm, k)
     outputs, start = [], time.perf_counter()
@@ -226,6 +241,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch-sizes", default="1,4,8,16,32,64")
     parser.add_argument("--prompts", default="heldout", help="heldout, humaneval, or a JSONL file")
     parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--raw-prompts", action="store_true",
+                        help="send prompts as text even when the base model has a chat template")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--num-speculative-tokens", dest="k", type=int, default=4)
@@ -254,7 +271,7 @@ def main(argv: list[str] | None = None, summary: bool = True) -> dict:
     from tqdm import tqdm
 
     try:
-        prompts = load_prompts(args.prompts, args.num_prompts)
+        prompts = request_inputs(load_prompts(args.prompts, args.num_prompts), args.base_model, args.raw_prompts)
     except DataError as e:
         raise SystemExit(f"benchmarks.run: error: {e}") from None
     report = {**environment(argv), "settings": {k: str(v) if isinstance(v, Path) else v

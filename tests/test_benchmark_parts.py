@@ -7,7 +7,7 @@ import json
 import pytest
 
 from benchmarks import plot, report
-from benchmarks.run import load_prompts, repetition_ratio, token_mismatches
+from benchmarks.run import load_prompts, repetition_ratio, request_inputs, token_mismatches
 from conftest import REPO
 from vllm_clover_training.data import DataError
 
@@ -24,6 +24,16 @@ def test_prompt_sources(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\n{"question": "y"}\n')
     with pytest.raises(DataError, match=r"bad.jsonl:2: expected a \"prompt\" string .* found keys \['question'\]"):
         load_prompts(str(tmp_path / "bad.jsonl"), 10)
+
+
+def test_chat_models_get_prompts_through_their_chat_template(demo_base, real_base):
+    from transformers import AutoTokenizer
+
+    assert request_inputs(["def f():"], demo_base, raw=False) == ["def f():"]  # no template: text
+    assert request_inputs(["Write a haiku."], real_base, raw=True) == ["Write a haiku."]
+    [chat] = request_inputs(["Write a haiku."], real_base, raw=False)
+    text = AutoTokenizer.from_pretrained(real_base).decode(chat["prompt_token_ids"])
+    assert text.endswith("<|im_start|>user\nWrite a haiku.<|im_end|>\n<|im_start|>assistant\n")
 
 
 @pytest.mark.skipif(not SPEC_BENCH.exists(), reason="the shared Spec-Bench copy is not next to this checkout")

@@ -21,7 +21,7 @@ def open_engine(base_dir: Path, dtype: str):
     from vllm import LLM
 
     max_len = min(json.loads((Path(base_dir) / "config.json").read_text())["max_position_embeddings"], 4096)
-    return LLM(model=str(base_dir), dtype=dtype, seed=0, max_model_len=max_len, kv_cache_memory_bytes=1 << 30), max_len
+    return LLM(model=str(base_dir), dtype=dtype, seed=0, max_model_len=max_len, kv_cache_memory_bytes=2 << 30), max_len
 
 
 def greedy(llm, max_len: int, prompts: list[list[int]], new_tokens: int, progress: bool = True):
