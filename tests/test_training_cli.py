@@ -203,3 +203,26 @@ def test_heads_with_a_draft_vocabulary_train_load_and_serve_exactly(demo_base, t
         shutdown(llm)
     assert outputs["clover"] == outputs["plain"]
     assert counters["draft_tokens"] > 0
+
+
+def test_hidden_states_are_computed_once_and_shared_across_methods(demo_base, train_jsonl, tmp_path):
+    from vllm_clover_training import data as data_mod
+    from vllm_clover_training.base import load_base
+    from vllm_clover_training.hidden_cache import hidden_state_cache
+
+    cache = tmp_path / "hidden"
+    run_cli("clover", "--base-model", demo_base, "--data", train_jsonl, "--out", tmp_path / "clover",
+            "--hidden-cache", cache, "--epochs", "2", *SMALL)
+    losses = [m["loss"] for m in metrics(tmp_path / "clover")]
+    assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5, losses
+    meta = json.loads((tmp_path / "hidden.json").read_text())
+    assert meta["done"] == meta["key"]["shape"][0] > 0
+    written = (tmp_path / "hidden.bin").stat().st_mtime_ns
+    run_cli("clp", "--base-model", demo_base, "--data", train_jsonl, "--out", tmp_path / "clp",
+            "--hidden-cache", cache, *SMALL)
+    assert (tmp_path / "hidden.bin").stat().st_mtime_ns == written  # reused, not recomputed
+    # What is stored is the base's own hidden states, to bf16 precision.
+    base, tokenizer = load_base(demo_base, "float32")
+    windows = data_mod.packed_files([train_jsonl], tokenizer, 64)
+    stored = hidden_state_cache(base, checkpoint.base_fingerprint(demo_base), windows, cache, 4)
+    torch.testing.assert_close(stored[:4].float(), base.hidden_states(windows.ids[:4]), rtol=2e-2, atol=2e-2)

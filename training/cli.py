@@ -51,6 +51,9 @@ def _train_parser(sub, method: DraftMethod) -> argparse.ArgumentParser:
     p.add_argument("--head-weight-decay", type=float, default=1.0,
                    help="weight head i's loss by this**(i-1) (the authors' Clover-2 use 0.7)")
     p.add_argument("--save-every", type=int, default=50, help="steps between resumable states")
+    p.add_argument("--hidden-cache", type=Path, default=None,
+                   help="compute the base's hidden states once into PATH.bin (bf16) and reuse them across "
+                        "epochs, runs and methods on the same data (offline training)")
     for option in method.train_options:
         p.add_argument(option.flag, dest=_hyper_dest(option.hyper_key), **option.argparse)
     if method.draft_vocab:

@@ -32,13 +32,15 @@ def counted(windows: Windows, head: int) -> torch.Tensor:
     return head_labels(windows.loss_mask, head) == 1
 
 
-def losses(heads: nn.Module, base: FrozenBase, windows: Windows,
-           head_weight_decay: float = 1.0) -> tuple[torch.Tensor, dict]:
+def losses(heads: nn.Module, base: FrozenBase, windows: Windows, head_weight_decay: float = 1.0,
+           h_base: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Sum of per-head cross-entropy (head i weighted by decay**(i-1)), plus, with a length
     predictor, its cross-entropy against L* measured on the heads' current guesses.
-    `heads` may be wrapped in DistributedDataParallel: it is called once, through forward."""
+    `heads` may be wrapped in DistributedDataParallel: it is called once, through forward.
+    `h_base`: the base's hidden states of these windows if already known (hidden_cache.py)."""
     ids = windows.ids
-    logits, length_logits = heads(base.hidden_states(ids), ids, base.lm_head_weight)
+    h_base = base.hidden_states(ids) if h_base is None else h_base
+    logits, length_logits = heads(h_base, ids, base.lm_head_weight)
     labels_all = label_ids(heads, windows, base.config.vocab_size)
     total = torch.zeros(())
     metrics = {}

@@ -25,6 +25,7 @@ from vllm_clover.layers import most_frequent_tokens
 from vllm_clover.methods import BY_NAME
 from vllm_clover_training import data as data_mod
 from vllm_clover_training.base import FrozenBase, load_base
+from vllm_clover_training.hidden_cache import hidden_state_cache
 from vllm_clover_training.objective import losses
 
 
@@ -49,6 +50,7 @@ class TrainArgs:
     distill_new_tokens: int = 256
     head_weight_decay: float = 1.0
     draft_vocab_size: int | None = None         # N most frequent learned tokens (methods with draft_vocab)
+    hidden_cache: Path | None = None            # the base's hidden states, computed once (hidden_cache.py)
     save_every: int = 50
     hyper: dict = field(default_factory=dict)   # method-specific (methods.TABLE's train_options)
     command: list[str] = field(default_factory=lambda: list(sys.argv))
@@ -142,6 +144,14 @@ def train(args: TrainArgs) -> dict:
         draft_vocab = most_frequent_tokens(windows.ids[windows.loss_mask == 1], args.draft_vocab_size,
                                            base.config.vocab_size)
     heads = BY_NAME[args.method].heads.from_base(base, args.num_heads, args.hyper, draft_vocab)
+    hidden = None
+    if args.hidden_cache is not None:  # rank 0 fills it; the others wait and map the same file
+        if ddp.main:
+            hidden_state_cache(base, checkpoint.base_fingerprint(args.base_model), windows, args.hidden_cache,
+                               args.batch_size)
+        ddp.barrier()
+        hidden = hidden_state_cache(base, checkpoint.base_fingerprint(args.base_model), windows,
+                                    args.hidden_cache, args.batch_size)
     model = torch.nn.parallel.DistributedDataParallel(heads) if ddp.world > 1 else heads
     optimizer = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad],
                                   lr=args.lr, betas=(0.9, 0.999))
@@ -172,8 +182,9 @@ def train(args: TrainArgs) -> dict:
         if epoch != order_epoch:  # one shuffle per epoch, a function of seed and epoch only (resumable)
             order_epoch = epoch
             order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(args.seed + epoch))
-        batch = windows[order[index * args.batch_size : (index + 1) * args.batch_size]][ddp.rank :: ddp.world]
-        loss, metrics = losses(model, base, batch, args.head_weight_decay)
+        rows = order[index * args.batch_size : (index + 1) * args.batch_size][ddp.rank :: ddp.world]
+        h_base = None if hidden is None else hidden[rows].to(base.lm_head_weight.dtype)
+        loss, metrics = losses(model, base, windows[rows], args.head_weight_decay, h_base)
         loss.backward()
         optimizer.step()
         scheduler.step()
