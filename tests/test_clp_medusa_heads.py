@@ -87,6 +87,13 @@ def test_save_load_round_trip_reproduces_every_method(demo_base, tmp_path):
             assert torch.equal(a, b), method.name
         if method.length_predictor:
             assert loaded.tau == 0.3
+        # Shipped in bf16: half the bytes, the same heads to bf16 precision.
+        checkpoint.save_heads(tmp_path / "bf16", method, heads, demo_base, {}, dtype=torch.bfloat16)
+        config, tensors = checkpoint.load_heads(tmp_path / "bf16", demo_base)
+        assert {t.dtype for t in tensors.values() if t.is_floating_point()} == {torch.bfloat16}
+        half = checkpoint.build_heads_module(tmp_path / "bf16", config, tensors)
+        for a, b in zip(before, half(h_base, ids, base.lm_head_weight)[0], strict=True):
+            torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
 
 
 def test_missing_or_misshaped_tensor_is_named(demo_base, tmp_path):

@@ -42,6 +42,8 @@ def _train_parser(sub, method: DraftMethod) -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=512, help="tokens per packed training window")
     p.add_argument("--seed", type=int, default=0)
     _add_dtype(p)
+    p.add_argument("--save-dtype", choices=list(DTYPES), default="float32",
+                   help="dtype of the checkpoint's weights (bfloat16 halves the files; vLLM casts on load)")
     p.add_argument("--resume", action="store_true", help="continue the unfinished run in OUT.work/")
     p.add_argument("--eval-data", type=Path, nargs="*", default=[], help="held-out JSONL scored at the end")
     p.add_argument("--self-distill", action="store_true",

@@ -24,7 +24,7 @@ from vllm_clover.atomic import atomic_torch_save, atomic_write_text
 from vllm_clover.layers import most_frequent_tokens
 from vllm_clover.methods import BY_NAME
 from vllm_clover_training import data as data_mod
-from vllm_clover_training.base import FrozenBase, load_base
+from vllm_clover_training.base import DTYPES, FrozenBase, load_base
 from vllm_clover_training.hidden_cache import hidden_state_cache
 from vllm_clover_training.objective import losses
 
@@ -51,6 +51,7 @@ class TrainArgs:
     head_weight_decay: float = 1.0
     draft_vocab_size: int | None = None         # N most frequent learned tokens (methods with draft_vocab)
     hidden_cache: Path | None = None            # the base's hidden states, computed once (hidden_cache.py)
+    save_dtype: str = "float32"                 # of the checkpoint's floating-point tensors
     save_every: int = 50
     hyper: dict = field(default_factory=dict)   # method-specific (methods.TABLE's train_options)
     command: list[str] = field(default_factory=lambda: list(sys.argv))
@@ -234,7 +235,8 @@ def finish(args: TrainArgs, heads, base: FrozenBase, tokenizer, work: Path, trai
         "final_metrics": final,
     }
     checkpoint.save_heads(args.out, method, heads, args.base_model, provenance,
-                          extra_files={"metrics.jsonl": (work / "metrics.jsonl").read_text()})
+                          extra_files={"metrics.jsonl": (work / "metrics.jsonl").read_text()},
+                          dtype=DTYPES[args.save_dtype])
     # The run is complete: only the self-distilled data stays, for the next run to reuse.
     for name in ("state.pt", "metrics.jsonl"):
         (work / name).unlink(missing_ok=True)

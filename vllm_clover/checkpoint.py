@@ -86,8 +86,10 @@ def check_fingerprint(heads_dir: Path, expected: dict, base_dir: Path) -> None:
 
 
 def save_heads(out_dir: Path, method: DraftMethod, heads: DraftHeads, base_dir: Path, provenance: dict,
-               extra_files: dict[str, str] | None = None) -> None:
-    """Write the three files into `out_dir` atomically (a reader never sees a mix)."""
+               extra_files: dict[str, str] | None = None, dtype: torch.dtype | None = None) -> None:
+    """Write the three files into `out_dir` atomically (a reader never sees a mix). With
+    `dtype`, floating-point tensors are stored in it (e.g. bf16 to ship heads at half size;
+    loading casts them to whatever dtype the model runs in)."""
     base = _base_config(base_dir)
     config = {
         "model_type": "medusa",  # vLLM routes medusa-typed drafts to the registered architecture
@@ -102,6 +104,8 @@ def save_heads(out_dir: Path, method: DraftMethod, heads: DraftHeads, base_dir: 
                         "base": base_fingerprint(base_dir)},
     }
     tensors = heads.checkpoint_tensors()
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     with atomic_dir(Path(out_dir)) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / WEIGHTS)
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
