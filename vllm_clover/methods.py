@@ -21,8 +21,8 @@ from vllm_clover.layers import LmHead
 from vllm_clover.medusa import MedusaHeads
 
 # What every heads module's forward returns in training: per draft head i (1-based), logits
-# [B, T-1-i, V] labelled by `layers.head_labels(input_ids, i)`; and CLP's length logits
-# [B, T, K+1] (None for methods without a length predictor).
+# [B, T-1-i, V] (N with a draft vocabulary) labelled by `layers.head_labels(labels, i)`; and
+# CLP's length logits [B, T, K+1] (None for methods without a length predictor).
 HeadOutputs = tuple[list[torch.Tensor], torch.Tensor | None]
 
 
