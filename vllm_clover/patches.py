@@ -54,6 +54,7 @@ from vllm_clover.version import SUPPORTED_VLLM
 MARKER = "__vllm_clover_patch__"
 # Set on vLLM's RejectionSampler of a runner whose drafts are trusted (by the runner hook).
 TRUST_DRAFTS_ATTR = "vllm_clover_trust_drafts"
+PREPARED_ATTR = "vllm_clover_prepared"  # on a runner the hook has prepared (`_prepare_runner`)
 
 
 def _resolve(target: str):
@@ -135,9 +136,12 @@ def _draft_with_clover_heads(original):
 
 
 def _prepare_runner(runner, model) -> None:
-    """Before a runner verifies any of our drafts: flag trusted drafts for the sampler patch,
-    and fix the CPU build's rejection sampling. Both only ever touch runners that draft
-    with our models (every call after the first finds them done)."""
+    """Once per runner, before it verifies any of our drafts: flag trusted drafts for the
+    sampler patch, and fix the CPU build's rejection sampling. Both only ever touch runners
+    that draft with our models."""
+    if getattr(runner, PREPARED_ATTR, False):
+        return
+    setattr(runner, PREPARED_ATTR, True)
     if model.options.trust_drafts:
         setattr(runner.rejection_sampler, TRUST_DRAFTS_ATTR, True)
     from vllm.triton_utils import HAS_TRITON
