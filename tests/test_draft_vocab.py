@@ -69,3 +69,18 @@ def test_packing_keeps_each_tokens_loss_mask():
     # After a text its EOS is learned; after a chat the answer's own end token was.
     assert windows.loss_mask.tolist() == [[1, 1, 1, 1], [0, 0, 1, 0]]
     assert windows[1:].ids.tolist() == [[4, 5, 6, 7]]
+
+
+def test_soft_cross_entropy_is_cross_entropy_for_a_certain_teacher():
+    import torch.nn.functional as F
+
+    from vllm_clover_training.objective import soft_cross_entropy
+
+    torch.manual_seed(0)
+    logits, labels = torch.randn(2, 5, V), torch.randint(0, V, (2, 5))
+    certain = F.one_hot(labels, V).float() * 1e4  # softmax = one-hot
+    keep = torch.ones(2, 5, dtype=torch.bool)
+    torch.testing.assert_close(soft_cross_entropy(logits, certain, keep), F.cross_entropy(logits.flatten(0, 1),
+                                                                                            labels.flatten()))
+    keep[1] = False  # masked positions do not count
+    torch.testing.assert_close(soft_cross_entropy(logits, certain, keep), F.cross_entropy(logits[0], labels[0]))

@@ -226,3 +226,11 @@ def test_hidden_states_are_computed_once_and_shared_across_methods(demo_base, tr
     windows = data_mod.packed_files([train_jsonl], tokenizer, 64)
     stored = hidden_state_cache(base, checkpoint.base_fingerprint(demo_base), windows, cache, 4)
     torch.testing.assert_close(stored[:4].float(), base.hidden_states(windows.ids[:4]), rtol=2e-2, atol=2e-2)
+
+
+def test_soft_targets_train(demo_base, train_jsonl, tmp_path):
+    out = tmp_path / "clover"
+    run_cli("clover", "--base-model", demo_base, "--data", train_jsonl, "--out", out, "--soft-targets",
+            "--draft-vocab-size", "512", "--epochs", "2", *SMALL)
+    losses = [m["loss"] for m in metrics(out)]
+    assert sum(losses[-5:]) / 5 < 0.95 * sum(losses[:5]) / 5, losses

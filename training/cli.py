@@ -50,6 +50,9 @@ def _train_parser(sub, method: DraftMethod) -> argparse.ArgumentParser:
                    help="train on the base's own greedy continuations of the data's prompts (vLLM)")
     p.add_argument("--distill-prompt-tokens", type=int, default=64)
     p.add_argument("--distill-new-tokens", type=int, default=256)
+    p.add_argument("--soft-targets", action="store_true",
+                   help="learn the base's own next-token distributions (the Clover-2 authors' signal) "
+                        "instead of the data's tokens")
     p.add_argument("--head-weight-decay", type=float, default=1.0,
                    help="weight head i's loss by this**(i-1) (the authors' Clover-2 use 0.7)")
     p.add_argument("--save-every", type=int, default=50, help="steps between resumable states")

@@ -19,11 +19,14 @@ from vllm_clover_training.base import FrozenBase
 from vllm_clover_training.data import Windows
 
 
+def draft_vocab_of(heads: nn.Module) -> torch.Tensor | None:
+    return getattr(getattr(heads, "module", heads), "draft_vocab", None)  # through DDP too
+
+
 def label_ids(heads: nn.Module, windows: Windows, vocab_size: int) -> torch.Tensor:
     """[B, T]: each token as a label of the heads' output vocabulary, IGNORE where the loss mask
     is 0; head i's labels are `head_labels(label_ids, i)`."""
-    draft_vocab = getattr(getattr(heads, "module", heads), "draft_vocab", None)  # through DDP
-    labels = draft_vocab_labels(windows.ids, draft_vocab, vocab_size)
+    labels = draft_vocab_labels(windows.ids, draft_vocab_of(heads), vocab_size)
     return labels.masked_fill(windows.loss_mask == 0, IGNORE)
 
 
@@ -32,22 +35,38 @@ def counted(windows: Windows, head: int) -> torch.Tensor:
     return head_labels(windows.loss_mask, head) == 1
 
 
+def soft_cross_entropy(logits: torch.Tensor, teacher_logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Mean over kept positions of -sum_v p_teacher(v) log p_head(v)."""
+    per_position = -(teacher_logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    return (per_position * keep).sum() / keep.sum().clamp(min=1)
+
+
 def losses(heads: nn.Module, base: FrozenBase, windows: Windows, head_weight_decay: float = 1.0,
-           h_base: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+           h_base: torch.Tensor | None = None, soft_targets: bool = False) -> tuple[torch.Tensor, dict]:
     """Sum of per-head cross-entropy (head i weighted by decay**(i-1)), plus, with a length
     predictor, its cross-entropy against L* measured on the heads' current guesses.
     `heads` may be wrapped in DistributedDataParallel: it is called once, through forward.
-    `h_base`: the base's hidden states of these windows if already known (hidden_cache.py)."""
+    `h_base`: the base's hidden states of these windows if already known (hidden_cache.py).
+    `soft_targets` (the Clover-2 authors' signal): head i at t learns the base's own
+    distribution over x_{t+1+i}, read at position t+i (over the draft vocabulary if any),
+    instead of the one token in the data."""
     ids = windows.ids
     h_base = base.hidden_states(ids) if h_base is None else h_base
     logits, length_logits = heads(h_base, ids, base.lm_head_weight)
     labels_all = label_ids(heads, windows, base.config.vocab_size)
+    draft_vocab = draft_vocab_of(heads)
+    output_rows = base.lm_head_weight if draft_vocab is None else base.lm_head_weight[draft_vocab]
     total = torch.zeros(())
     metrics = {}
     for i, lg in enumerate(logits, start=1):
         labels, keep = head_labels(labels_all, i), counted(windows, i)
-        ce = F.cross_entropy(lg.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
-        ce = ce / keep.sum().clamp(min=1)  # tokens outside a draft vocabulary count as misses
+        if soft_targets:
+            with torch.no_grad():
+                teacher = h_base[:, i : i + lg.shape[1]] @ output_rows.T
+            ce = soft_cross_entropy(lg, teacher, keep)
+        else:
+            ce = F.cross_entropy(lg.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+            ce = ce / keep.sum().clamp(min=1)  # tokens outside a draft vocabulary count as misses
         total = total + head_weight_decay ** (i - 1) * ce
         metrics[f"loss_{i}"] = ce.item()
         metrics[f"top1_{i}"] = ((lg.argmax(-1) == labels) & keep).sum().item() / max(keep.sum().item(), 1)
