@@ -180,28 +180,43 @@ def test_self_distill_trains_on_the_base_greedy_continuations(demo_base, tmp_pat
     assert checkpoint.load_heads(out, demo_base)[0]["vllm_clover"]["method"] == "clover"
 
 
-def test_heads_with_a_draft_vocabulary_train_load_and_serve_exactly(demo_base, train_jsonl, tmp_path):
-    """The heads score 256 of the 4,096 tokens (their drafts are among those: test_draft_vocab.py);
-    vLLM still verifies over all of them, so the output equals plain decoding."""
+DRAFT_VOCAB_PROMPTS, DRAFT_VOCAB_TOKENS = 16, 24
+
+
+def serve_greedy(demo_base, spec):
     from vllm import SamplingParams
 
     from conftest import make_llm, shutdown
     from vllm_clover.spec_metrics import spec_decode_counters
     from vllm_clover_training.stdlib_corpus import heldout_prompts
 
-    out = tmp_path / "clover"
-    run_cli("clover", "--base-model", demo_base, "--data", train_jsonl, "--out", out, "--draft-vocab-size", "256",
+    params = SamplingParams(temperature=0, max_tokens=DRAFT_VOCAB_TOKENS, ignore_eos=True)
+    llm = make_llm(demo_base, speculative_config=spec, disable_log_stats=False)
+    outputs = [list(o.outputs[0].token_ids)
+               for o in llm.generate(heldout_prompts(DRAFT_VOCAB_PROMPTS), params, use_tqdm=False)]
+    counters = spec_decode_counters(llm, 3)
+    shutdown(llm)
+    return outputs, counters
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(demo_base):
+    return serve_greedy(demo_base, None)[0]
+
+
+@pytest.mark.parametrize("method", ["clover", "medusa"])  # our runner hook, and vLLM's own Medusa
+def test_heads_with_a_draft_vocabulary_train_load_and_serve_exactly(method, demo_base, train_jsonl, tmp_path,
+                                                                     plain_outputs):
+    """The heads score 256 of the 4,096 tokens (their drafts are among those: test_draft_vocab.py);
+    vLLM still verifies over all of them, so the output equals plain decoding."""
+    out = tmp_path / method
+    run_cli(method, "--base-model", demo_base, "--data", train_jsonl, "--out", out, "--draft-vocab-size", "256",
             *SMALL)
     config, tensors = checkpoint.load_heads(out, demo_base)
-    assert config["vllm_clover"]["hyper"]["draft_vocab_size"] == 256 and tensors["draft_vocab"].shape == (256,)
-    prompts, params = heldout_prompts(16), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    outputs = {}
-    for name, spec in (("plain", None), ("clover", {"method": "clover", "model": str(out)})):
-        llm = make_llm(demo_base, speculative_config=spec, disable_log_stats=False)
-        outputs[name] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-        counters = spec_decode_counters(llm, 3)
-        shutdown(llm)
-    assert outputs["clover"] == outputs["plain"]
+    vocab = tensors["token_map" if method == "medusa" else "draft_vocab"]
+    assert vocab.shape == (256,) and len(set(vocab.tolist())) == 256
+    outputs, counters = serve_greedy(demo_base, {"method": method, "model": str(out)})
+    assert outputs == plain_outputs
     assert counters["draft_tokens"] > 0
 
 

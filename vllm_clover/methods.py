@@ -154,7 +154,7 @@ TABLE: tuple[DraftMethod, ...] = (
     ),
     DraftMethod(
         name="medusa", heads=MedusaHeads, description="Medusa heads in vLLM's own format (baseline)",
-        architecture="MedusaModel", served_by_plugin=False,
+        architecture="MedusaModel", served_by_plugin=False, draft_vocab=True,
     ),
 )
 BY_NAME = {m.name: m for m in TABLE}

@@ -1,12 +1,12 @@
 """Every change vllm-clover makes to vLLM internals, in one table.
 
 vLLM 0.32 has no proposer registry, so the plugin wraps three private methods, and it
-works around one vLLM CPU bug. Each change is a no-op for anything that is not ours:
+works around two vLLM bugs. Each change is a no-op for anything that is not ours:
 other methods, models and checkpoints run exactly as without the plugin. All were
 written against vLLM 0.32 (`version.SUPPORTED_VLLM`, checked before any is applied), and
 each checks at apply time that the wrapped function still has the parameters it was
 written for, so a vLLM change fails at start-up with the patch's name rather than
-mid-generation. The first three are applied by `register()` in every vLLM process; the
+mid-generation. All but the last are applied by `register()` in every vLLM process; the
 last by the runner hook, in a CPU worker that drafts with one of our models.
 
   speculative_method_names  EngineArgs.create_speculative_config
@@ -24,6 +24,12 @@ last by the runner hook, in a CPU worker that drafts with one of our models.
       serving "clp-trust", make the target's verification distribution at each draft
       position a point mass on the draft token, so vLLM's own sampler accepts it, and
       samples the bonus token as usual. Lossy by design; opt-in only.
+  medusa_token_map          Medusa.load_weights  (vLLM's MedusaModel architecture)
+      vLLM's Medusa can score a reduced vocabulary (`truncated_vocab_size` + a `token_map`
+      tensor), but 0.32 turns the loaded token map into a parameter without reporting it
+      as loaded, so every such checkpoint fails ("weights were not initialized from
+      checkpoint: {'token_map'}"). Report it. Checkpoints without a token map are untouched;
+      this is what lets the Medusa baseline use the same draft vocabulary as our heads.
   cpu_expand_float_params   rejection_sampler.expand_batch_to_tokens  (CPU workers of our engines)
       vLLM 0.32's C++ fallback for the Triton `expand_kernel` casts its output to int64 and
       writes into that copy, so per-token temperatures (and top-p) used to verify drafts
@@ -169,6 +175,16 @@ def point_mass_on_drafts(logits, draft_rows, draft_token_ids):
     return forced
 
 
+def _medusa_token_map(original):
+    def load_weights(self, weights):
+        loaded = original(self, weights)
+        if getattr(self, "token_map", None) is not None:
+            loaded.add("token_map")
+        return loaded
+
+    return load_weights
+
+
 def _cpu_expand_float_params(original):
     def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
         counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1))
@@ -187,6 +203,8 @@ PATCHES = (
            "slot_mappings"), _draft_with_clover_heads),
     Patch("trust_clp_drafts", "vllm.v1.sample.rejection_sampler:RejectionSampler.forward",
           ("self", "metadata", "draft_probs", "logits", "sampling_metadata"), _trust_clp_drafts),
+    Patch("medusa_token_map", "vllm.model_executor.models.medusa:Medusa.load_weights",
+          ("self", "weights"), _medusa_token_map),
 )
 CPU_WORKER_PATCHES = (
     Patch("cpu_expand_float_params", "vllm.v1.sample.rejection_sampler:expand_batch_to_tokens",
