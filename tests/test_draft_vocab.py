@@ -84,3 +84,24 @@ def test_soft_cross_entropy_is_cross_entropy_for_a_certain_teacher():
                                                                                             labels.flatten()))
     keep[1] = False  # masked positions do not count
     torch.testing.assert_close(soft_cross_entropy(logits, certain, keep), F.cross_entropy(logits[0], labels[0]))
+
+
+def test_parameters_read_per_step_on_smollm2_shapes():
+    """SmolLM2-135M (hidden 576, vocabulary 49,152, 134.5M parameters), K = 4: with the full
+    vocabulary each drafter reads ~0.9x the target's parameters a step, with 8k ~0.2x."""
+    from vllm_clover.medusa import MedusaHeads
+
+    target, hidden, vocab = 134_515_008, 576, 49152
+    with torch.device("meta"):
+        def clover(n):
+            return CloverHeads(CloverConfig(num_heads=4, hidden_size=hidden, vocab_size=vocab, intermediate_size=1536,
+                                            num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                                            draft_vocab_size=n))
+        full, reduced = clover(None), clover(8192)
+        clp, medusa = ClpHeads(4, hidden, draft_vocab_size=8192), MedusaHeads(4, hidden, vocab, 8192)
+    assert 0.85 < full.parameters_read_per_step(hidden, vocab) / target < 0.95
+    assert 0.18 < reduced.parameters_read_per_step(hidden, vocab) / target < 0.23
+    mlps = sum(p.numel() for p in clp.parameters())
+    assert clp.parameters_read_per_step(hidden, vocab) == mlps + 4 * 8192 * hidden
+    assert medusa.parameters_read_per_step(hidden, vocab) == clp.parameters_read_per_step(hidden, vocab) - (
+        clp.length.weight.numel() + clp.length.bias.numel())

@@ -37,6 +37,7 @@ from vllm_clover.layers import (
     TorchRMSNorm,
     causal_attention,
     check_num_heads,
+    numel,
     rms_normalize,
 )
 
@@ -153,6 +154,14 @@ class CloverHeads(StateDictCheckpoint, DraftVocabulary, nn.Module):
 
     def checkpoint_hyper(self) -> dict:
         return self.config.to_dict()
+
+    def parameters_read_per_step(self, hidden_size: int, vocab_size: int) -> int:
+        """Weights one full draft step reads (bound by memory traffic at small batches): the
+        augmenting block once, the shared regressive decoder and one LM-head scoring per head."""
+        c = self.config
+        block = numel(self.augment) + numel(self.augment_norm) if c.augmenting_block else 0
+        decoder = numel(self.decoder) if c.regressive != "none" else 0
+        return block + c.num_heads * (decoder + self.scored_rows(vocab_size) * hidden_size) + numel(self.mlps)
 
     def init_from_base(self, last_layer_state: dict[str, torch.Tensor], final_norm_weight: torch.Tensor) -> None:
         """Augmenting block := the base's last decoder layer; its norm := the base's final norm."""

@@ -16,7 +16,15 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from vllm_clover.layers import DraftVocabulary, LmHead, ResidualBlock, StateDictCheckpoint, check_num_heads, head_labels
+from vllm_clover.layers import (
+    DraftVocabulary,
+    LmHead,
+    ResidualBlock,
+    StateDictCheckpoint,
+    check_num_heads,
+    head_labels,
+    numel,
+)
 
 
 class ClpHeads(StateDictCheckpoint, DraftVocabulary, nn.Module):
@@ -48,6 +56,11 @@ class ClpHeads(StateDictCheckpoint, DraftVocabulary, nn.Module):
     def checkpoint_hyper(self) -> dict:
         size = None if self.draft_vocab is None else len(self.draft_vocab)
         return {"num_heads": self.num_heads, "tau": self.tau, "draft_vocab_size": size}
+
+    def parameters_read_per_step(self, hidden_size: int, vocab_size: int) -> int:
+        """Weights a step drafting all K heads reads: the length predictor, each head's MLP and
+        one LM-head scoring per head (a shorter predicted length reads less)."""
+        return numel(self) + self.num_heads * self.scored_rows(vocab_size) * hidden_size
 
     def forward(self, h_base: torch.Tensor, input_ids: torch.Tensor,
                 lm_head_weight: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:

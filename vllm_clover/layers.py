@@ -88,6 +88,10 @@ class DraftVocabulary:
         """Training: the LM-head rows the heads' logits are computed over ([N or V, H])."""
         return lm_head_weight if self.draft_vocab is None else lm_head_weight[self.draft_vocab]
 
+    def scored_rows(self, vocab_size: int) -> int:
+        """LM-head rows each drafting head reads: N with a draft vocabulary, else V."""
+        return vocab_size if self.draft_vocab is None else len(self.draft_vocab)
+
     def output_head(self, lm_head: LmHead) -> LmHead:
         """Serving: the LM head the heads draft through (build once, it gathers N rows)."""
         return lm_head if self.draft_vocab is None else DraftVocabHead(lm_head, self.draft_vocab)
@@ -219,6 +223,10 @@ class TorchLlamaDecoderLayer(nn.Module):
 
 
 MAX_HEADS = 8
+
+
+def numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
 
 
 def check_num_heads(num_heads: int) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from vllm_clover.layers import DraftVocabulary, ResidualBlock, check_num_heads
+from vllm_clover.layers import DraftVocabulary, ResidualBlock, check_num_heads, numel
 
 
 class MedusaHeads(DraftVocabulary, nn.Module):
@@ -74,6 +74,11 @@ class MedusaHeads(DraftVocabulary, nn.Module):
         if self.draft_vocab is None:
             return {"medusa_fc_bias": True}
         return {"medusa_fc_bias": True, "original_lm_head": True, "truncated_vocab_size": len(self.draft_vocab)}
+
+    def parameters_read_per_step(self, hidden_size: int, vocab_size: int) -> int:
+        """Weights one draft step reads: each block, and an LM head per head (a shared one
+        is still read once per head: vLLM scores the heads one after another)."""
+        return numel(self.blocks) + self.num_heads * self.lm_heads[0].weight.numel()
 
     def forward(self, h_base: torch.Tensor, input_ids: torch.Tensor,
                 lm_head_weight: torch.Tensor) -> tuple[list[torch.Tensor], None]:

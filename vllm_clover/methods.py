@@ -66,6 +66,10 @@ class DraftHeads(Protocol):
     def forward(self, h_base: torch.Tensor, input_ids: torch.Tensor, lm_head_weight: torch.Tensor) -> HeadOutputs:
         """Training: all heads at all positions, teacher-forced (see clover.py's shift)."""
 
+    def parameters_read_per_step(self, hidden_size: int, vocab_size: int) -> int:
+        """Weights one draft step reads, the base's LM-head rows it scores included: what bounds
+        a draft step at small batches, to compare with the target's own parameters."""
+
     def output_head(self, lm_head: LmHead) -> LmHead:
         """Serving (plugin-served methods only): the LM head to draft through, built once from
         the base's (a draft-vocabulary view of it, or the head itself)."""
