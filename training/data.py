@@ -147,8 +147,9 @@ def _chat_tokens(record: Record, tokenizer) -> Tokens:
         if message["role"] != "assistant":
             continue
         start = len(_render_chat(messages[:i], tokenizer, add_generation_prompt=True))
-        end = len(_render_chat(messages[: i + 1], tokenizer, add_generation_prompt=False))
-        if ids[:end] != _render_chat(messages[: i + 1], tokenizer, add_generation_prompt=False):
+        through_answer = _render_chat(messages[: i + 1], tokenizer, add_generation_prompt=False)
+        end = len(through_answer)
+        if ids[:end] != through_answer:
             raise DataError(f"{record.source}: the chat template renders turn {i} differently inside the "
                             "whole chat; cannot tell which tokens are the answer")
         span = ids[start:end]
@@ -169,14 +170,20 @@ def tokenize(record: Record, tokenizer) -> Tokens:
     return _chat_tokens(record, tokenizer)
 
 
+def prompt_turns(record: Record) -> list[dict]:
+    """A chat without its trailing assistant turns: what the model is asked to answer."""
+    messages = list(record.messages)
+    while messages and messages[-1]["role"] == "assistant":
+        messages.pop()
+    return messages
+
+
 def prompt_ids(record: Record, tokenizer, prompt_tokens: int) -> list[int]:
     """What self-distillation continues: a text's first `prompt_tokens` tokens, or a chat up
     to (not including) its last assistant turn, with the generation prompt."""
     if record.text is not None:
         return tokenizer(record.text).input_ids[:prompt_tokens]
-    messages = list(record.messages)
-    while messages and messages[-1]["role"] == "assistant":
-        messages.pop()
+    messages = prompt_turns(record)
     if not messages:
         raise DataError(f"{record.source}: a chat needs a non-assistant turn to prompt with")
     return _render_chat(messages, tokenizer, add_generation_prompt=True)

@@ -28,7 +28,8 @@ def hidden_state_cache(base: FrozenBase, base_fingerprint: dict, windows: Window
     Reused when base and windows match; rebuilt when either changed."""
     n, length = windows.ids.shape
     shape = (n, length, base.config.hidden_size)
-    key = {"base": base_fingerprint, "shape": list(shape), "dtype": "bfloat16",
+    key = {"base": base_fingerprint, "base_dtype": str(base.lm_head_weight.dtype), "shape": list(shape),
+           "dtype": "bfloat16",
            "windows_sha256": hashlib.sha256(windows.ids.numpy().tobytes()).hexdigest()}
     meta_path, data_path = Path(f"{path}.json"), Path(f"{path}.bin")
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else None

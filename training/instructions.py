@@ -174,25 +174,19 @@ REWRITES = ["Rewrite this sentence in a more formal tone: {s}",
 
 def maths_problem(rng: random.Random) -> str:
     a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 12)
-    kind = rng.randrange(9)
-    if kind == 0:
-        return f"What is {a} times {b}? Show your working."
-    if kind == 1:
-        return f"Solve for x: {c}x + {a} = {c * b + a}."
-    if kind == 2:
-        return f"A shop sells notebooks for ${c} each. How many notebooks can you buy with ${c * b}?"
-    if kind == 3:
-        return f"What is {a}% of {b * 10}?"
-    if kind == 4:
-        return f"A train travels {a * 10} km in {c} hours. What is its average speed?"
-    if kind == 5:
-        return f"Is {a * 7 + 1} a prime number? Explain how you checked."
-    if kind == 6:
-        given = min(a - 1, b % a + 1)
-        return f"Tom has {a} apples. He gives {given} to his friend and buys {c} more. How many does he have now?"
-    if kind == 7:
-        return f"Convert {a} kilometres to metres and to miles."
-    return f"A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter?"
+    given = min(a - 1, b % a + 1)
+    problems = (
+        f"What is {a} times {b}? Show your working.",
+        f"Solve for x: {c}x + {a} = {c * b + a}.",
+        f"A shop sells notebooks for ${c} each. How many notebooks can you buy with ${c * b}?",
+        f"What is {a}% of {b * 10}?",
+        f"A train travels {a * 10} km in {c} hours. What is its average speed?",
+        f"Is {a * 7 + 1} a prime number? Explain how you checked.",
+        f"Tom has {a} apples. He gives {given} to his friend and buys {c} more. How many does he have now?",
+        f"Convert {a} kilometres to metres and to miles.",
+        f"A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter?",
+    )
+    return problems[rng.randrange(len(problems))]
 
 
 # ---- the set ----

@@ -147,13 +147,13 @@ def train(args: TrainArgs) -> dict:
                                            base.config.vocab_size)
     heads = BY_NAME[args.method].heads.from_base(base, args.num_heads, args.hyper, draft_vocab)
     hidden = None
-    if args.hidden_cache is not None:  # rank 0 fills it; the others wait and map the same file
+    if args.hidden_cache is not None:  # rank 0 fills it; the others then map the finished file
+        fingerprint = checkpoint.base_fingerprint(args.base_model)
         if ddp.main:
-            hidden_state_cache(base, checkpoint.base_fingerprint(args.base_model), windows, args.hidden_cache,
-                               args.batch_size)
+            hidden = hidden_state_cache(base, fingerprint, windows, args.hidden_cache, args.batch_size)
         ddp.barrier()
-        hidden = hidden_state_cache(base, checkpoint.base_fingerprint(args.base_model), windows,
-                                    args.hidden_cache, args.batch_size)
+        if not ddp.main:
+            hidden = hidden_state_cache(base, fingerprint, windows, args.hidden_cache, args.batch_size)
     model = torch.nn.parallel.DistributedDataParallel(heads) if ddp.world > 1 else heads
     optimizer = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad],
                                   lr=args.lr, betas=(0.9, 0.999))

@@ -70,7 +70,7 @@ IGNORE = -100  # F.cross_entropy's ignore_index: a label the heads cannot or sho
 
 
 class DraftVocabulary:
-    """Mixin for heads that may score a reduced draft vocabulary (Clover, CLP): the token ids
+    """Mixin for heads that may score a reduced draft vocabulary (Clover, CLP, Medusa): the token ids
     live in a buffer `draft_vocab` [N], saved in the checkpoint; None scores the full vocabulary."""
 
     draft_vocab: torch.Tensor | None
