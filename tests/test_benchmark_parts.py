@@ -7,7 +7,7 @@ import json
 import pytest
 
 from benchmarks import plot, report
-from benchmarks.run import load_prompts, repetition_ratio, request_inputs, token_mismatches
+from benchmarks.run import Prompts, load_prompts, repetition_ratio, request_inputs, token_mismatches
 from conftest import REPO
 from vllm_clover_training.data import DataError
 
@@ -16,13 +16,14 @@ SPEC_BENCH = REPO.parent / "shared" / "data" / "spec_bench_questions.jsonl"
 
 
 def test_prompt_sources(tmp_path):
-    assert load_prompts("humaneval", 3)[0].startswith("from typing import List")
-    assert len(load_prompts("heldout", 5)) == 5
-    lines = [{"prompt": "def f():"}, {"turns": ["Write a haiku.", "Another."]}]
+    assert load_prompts("humaneval", 3).texts[0].startswith("from typing import List")
+    assert len(load_prompts("heldout", 5).texts) == 5
+    lines = [{"prompt": "def f():"}, {"turns": ["Write a haiku.", "Another."]},
+             {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}]}]
     (tmp_path / "p.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
-    assert load_prompts(str(tmp_path / "p.jsonl"), 10) == ["def f():", "Write a haiku."]
+    assert load_prompts(str(tmp_path / "p.jsonl"), 10) == Prompts(["def f():", "Write a haiku.", "Why?"])
     (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\n{"question": "y"}\n')
-    with pytest.raises(DataError, match=r"bad.jsonl:2: expected a \"prompt\" string .* found keys \['question'\]"):
+    with pytest.raises(DataError, match=r"bad.jsonl:2: expected a \"prompt\" string, .* found keys \['question'\]"):
         load_prompts(str(tmp_path / "bad.jsonl"), 10)
 
 
@@ -38,7 +39,17 @@ def test_chat_models_get_prompts_through_their_chat_template(demo_base, real_bas
 
 @pytest.mark.skipif(not SPEC_BENCH.exists(), reason="the shared Spec-Bench copy is not next to this checkout")
 def test_spec_bench_file():
-    assert len(load_prompts(str(SPEC_BENCH), 480)) == 480
+    assert len(load_prompts(str(SPEC_BENCH), 480).texts) == 480
+    first = load_prompts(str(SPEC_BENCH), 12)  # round robin over Spec-Bench's six tasks
+    assert first.categories == 2 * ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
+
+
+def test_categories_come_round_robin(tmp_path):
+    lines = [{"prompt": f"{c}{i}", "category": c} for c in "ab" for i in range(3)]
+    lines.append({"prompt": "w", "category": "writing"})  # an MT-Bench category: Spec-Bench's mt_bench
+    (tmp_path / "c.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    assert load_prompts(str(tmp_path / "c.jsonl"), 5) == Prompts(["a0", "b0", "w", "a1", "b1"],
+                                                                 ["a", "b", "mt_bench", "a", "b"])
 
 
 def test_metrics():

@@ -100,6 +100,22 @@ def test_augmenting_block_initialised_from_base_reproduces_its_last_layer():
     torch.testing.assert_close(ours, captured["y"], atol=1e-5, rtol=1e-5)
 
 
+def test_identity_augment_init_starts_every_head_at_the_bases_own_prediction(inputs):
+    """'identity' keeps the last layer's weights but adds nothing at first: the augmented state
+    points where the base's does, so fresh heads draft the base's next token."""
+    h_base, ids, lm_head = inputs
+    torch.manual_seed(3)
+    layer = {k: v.normal_(0, 0.1) for k, v in CloverHeads(small_config()).augment.state_dict().items()}
+    norm_weight = torch.rand(H) + 0.5
+    heads = CloverHeads(small_config(augment_init="identity"))
+    heads.init_from_base(layer, norm_weight)
+    assert torch.equal(heads.augment.self_attn["q_proj"].weight, layer["self_attn.q_proj.weight"])
+    h0 = heads.augmented(h_base, torch.arange(T).expand(B, T))
+    torch.testing.assert_close(torch.cosine_similarity(h0, h_base, dim=-1), torch.ones(B, T))
+    first_head = heads.head_hidden_states(h_base, ids, lm_head)[0]
+    assert torch.equal((first_head @ lm_head.T).argmax(-1), (h_base[:, : T - 2] @ lm_head.T).argmax(-1))
+
+
 def test_draft_chain_matches_teacher_forced_heads_on_its_own_tokens(inputs):
     """The serving chain fed its own greedy tokens equals the training path fed the same tokens."""
     h_base, _, lm_head = inputs
@@ -135,3 +151,5 @@ def test_bad_config_is_refused():
         small_config(num_heads=9)
     with pytest.raises(ValueError, match="regressive must be"):
         small_config(regressive="lstm")
+    with pytest.raises(ValueError, match="augment_init must be 'last_layer' or 'identity', got 'zero'"):
+        small_config(augment_init="zero")

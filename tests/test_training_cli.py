@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from vllm_clover import checkpoint
 from vllm_clover.methods import TABLE
-from vllm_clover_training import stdlib_corpus
+from vllm_clover_training import model_card, stdlib_corpus
 from vllm_clover_training.cli import main
 
 SMALL = ["--num-heads", "3", "--max-len", "64", "--batch-size", "4", "--save-every", "4"]
@@ -67,6 +67,19 @@ def test_eval_reports_per_head_accuracy(demo_base, train_jsonl, tmp_path):
     for head in result["per_head"]:
         assert 0 <= head["top1"] <= head["top5"] <= 1
     assert {"tau", "length_exact_acc", "expected_accepted"} <= set(result["clp"])
+    # Greedy acceptance: a position accepts head i's draft only if it accepted heads 1..i-1's.
+    accepted = result["greedy_acceptance"]
+    rates = accepted["rate_per_position"]
+    assert len(rates) == 3 and all(a >= b for a, b in zip(rates, rates[1:]))
+    assert accepted["mean_acceptance_length"] == pytest.approx(1 + sum(rates), abs=1e-3)
+    assert rates[0] > 0  # the demo heads learn something in 12 steps
+
+    (out / "eval.json").write_text(report.read_text())
+    card = (model_card.write_card(out)).read_text()
+    assert card.startswith(f"# clp draft heads for `{demo_base.name}`")
+    assert f"| 1 | {100 * result['per_head'][0]['top1']:.1f}% |" in card
+    assert f"mean acceptance length {accepted['mean_acceptance_length']:.2f}" in card
+    assert '"method": "clp"' in card and "Length predictor at tau" in card
 
 
 def test_heads_for_another_base_are_refused(demo_base, train_jsonl, tmp_path):
@@ -246,6 +259,7 @@ def test_hidden_states_are_computed_once_and_shared_across_methods(demo_base, tr
 def test_soft_targets_train(demo_base, train_jsonl, tmp_path):
     out = tmp_path / "clover"
     run_cli("clover", "--base-model", demo_base, "--data", train_jsonl, "--out", out, "--soft-targets",
-            "--draft-vocab-size", "512", "--epochs", "2", *SMALL)
+            "--draft-vocab-size", "512", "--epochs", "2", "--compute-dtype", "bfloat16", "--augment-init", "identity",
+            *SMALL)
     losses = [m["loss"] for m in metrics(out)]
     assert sum(losses[-5:]) / 5 < 0.95 * sum(losses[:5]) / 5, losses

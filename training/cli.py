@@ -44,6 +44,9 @@ def _train_parser(sub, method: DraftMethod) -> argparse.ArgumentParser:
     _add_dtype(p)
     p.add_argument("--save-dtype", choices=list(DTYPES), default="float32",
                    help="dtype of the checkpoint's weights (bfloat16 halves the files; vLLM casts on load)")
+    p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="matmuls of a training step (torch.autocast); weights and optimiser stay fp32. "
+                        "bfloat16 is ~2.7x faster on CPUs with AVX512-BF16 or AMX")
     p.add_argument("--resume", action="store_true", help="continue the unfinished run in OUT.work/")
     p.add_argument("--eval-data", type=Path, nargs="*", default=[], help="held-out JSONL scored at the end")
     p.add_argument("--self-distill", action="store_true",

@@ -49,9 +49,12 @@ def evaluate_module(method: str, heads, base: FrozenBase, windows: Windows, batc
     hits = None
     counts = None
     length_probs, length_targets = [], []
+    accepted_runs = []
     for batch, labels_all, logits, length_logits in _predictions(heads, base, windows, batch_size):
         if hits is None:
             hits, counts = torch.zeros(len(logits), 2), torch.zeros(len(logits))
+        runs = collocation_lengths(logits, labels_all)  # a missing label counts as a miss
+        accepted_runs.append(runs[counted(batch, 1)[:, : runs.shape[1]]])
         for i, lg in enumerate(logits, start=1):
             labels, keep = head_labels(labels_all, i), counted(batch, i)
             top5 = lg.topk(5, dim=-1).indices
@@ -65,6 +68,11 @@ def evaluate_module(method: str, heads, base: FrozenBase, windows: Windows, batc
     acc = hits / counts[:, None]
     result = {"method": method, "num_heads": len(acc), "positions": int(counts[0]),
               "per_head": [{"top1": round(a[0].item(), 4), "top5": round(a[1].item(), 4)} for a in acc]}
+    runs = torch.cat(accepted_runs)
+    result["greedy_acceptance"] = {
+        "mean_acceptance_length": round(1 + runs.float().mean().item(), 4),
+        "rate_per_position": [round((runs >= i).float().mean().item(), 4) for i in range(1, len(acc) + 1)],
+        "positions": len(runs)}
     if length_probs:
         probs, target = torch.cat(length_probs), torch.cat(length_targets)
         result["clp"] = {"tau": heads.tau, **length_report(probs, target, heads.tau),

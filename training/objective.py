@@ -59,10 +59,11 @@ def losses(heads: nn.Module, base: FrozenBase, windows: Windows, head_weight_dec
     total = torch.zeros(())
     metrics = {}
     for i, lg in enumerate(logits, start=1):
+        lg = lg.float()  # bf16 under --compute-dtype bfloat16: the softmax wants fp32
         labels, keep = head_labels(labels_all, i), counted(windows, i)
         if soft_targets:
             with torch.no_grad():
-                teacher = h_base[:, i : i + lg.shape[1]] @ output_rows.T
+                teacher = (h_base[:, i : i + lg.shape[1]] @ output_rows.T).float()
             ce = soft_cross_entropy(lg, teacher, keep)
         else:
             ce = F.cross_entropy(lg.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
@@ -72,7 +73,7 @@ def losses(heads: nn.Module, base: FrozenBase, windows: Windows, head_weight_dec
         metrics[f"top1_{i}"] = ((lg.argmax(-1) == labels) & keep).sum().item() / max(keep.sum().item(), 1)
     if length_logits is not None:
         target = collocation_lengths([lg.detach() for lg in logits], labels_all)
-        length_logits = length_logits[:, : target.shape[1]]
+        length_logits = length_logits[:, : target.shape[1]].float()
         keep = counted(windows, 1)[:, : target.shape[1]]  # positions inside an answer (or text)
         length_ce = F.cross_entropy(length_logits[keep], target[keep]) if keep.any() else torch.zeros(())
         total = total + length_ce

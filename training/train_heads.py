@@ -52,6 +52,7 @@ class TrainArgs:
     draft_vocab_size: int | None = None         # N most frequent learned tokens (methods with draft_vocab)
     hidden_cache: Path | None = None            # the base's hidden states, computed once (hidden_cache.py)
     save_dtype: str = "float32"                 # of the checkpoint's floating-point tensors
+    compute_dtype: str = "float32"              # of a training step's matmuls (autocast); weights stay fp32
     soft_targets: bool = False                  # learn the base's distributions, not the data's tokens
     save_every: int = 50
     hyper: dict = field(default_factory=dict)   # method-specific (methods.TABLE's train_options)
@@ -186,7 +187,8 @@ def train(args: TrainArgs) -> dict:
             order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(args.seed + epoch))
         rows = order[index * args.batch_size : (index + 1) * args.batch_size][ddp.rank :: ddp.world]
         h_base = None if hidden is None else hidden[rows].to(base.lm_head_weight.dtype)
-        loss, metrics = losses(model, base, windows[rows], args.head_weight_decay, h_base, args.soft_targets)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.compute_dtype == "bfloat16"):
+            loss, metrics = losses(model, base, windows[rows], args.head_weight_decay, h_base, args.soft_targets)
         loss.backward()
         optimizer.step()
         scheduler.step()

@@ -139,6 +139,10 @@ TABLE: tuple[DraftMethod, ...] = (
         train_options=(
             TrainOption("--no-augmenting-block", "augmenting_block",
                         dict(action="store_false", help="ablation: no augmenting block")),
+            TrainOption("--augment-init", "augment_init",
+                        dict(choices=["last_layer", "identity"], default="last_layer",
+                             help="augmenting block's start: the base's last layer (paper), or that "
+                                  "layer with its output projections zeroed (passes the base's state)")),
             TrainOption("--regressive", "regressive",
                         dict(choices=["attention", "mlp", "none"], default="attention",
                              help="ablation: regressive block (mlp = MLP on concat(h, e); none = no "

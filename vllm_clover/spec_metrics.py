@@ -24,8 +24,19 @@ def counters_since(before: dict | None, after: dict | None) -> dict | None:
     """What the counters grew by between two readings (per position for lists)."""
     if after is None:
         return None
-    return {key: [a - b for a, b in zip(value, before[key])] if isinstance(value, list) else value - before[key]
-            for key, value in after.items()}
+    return _elementwise(after, before, lambda a, b: a - b)
+
+
+def counters_plus(total: dict | None, more: dict | None) -> dict | None:
+    """Two growths added up (None: nothing counted yet)."""
+    if total is None or more is None:
+        return more if total is None else total
+    return _elementwise(total, more, lambda a, b: a + b)
+
+
+def _elementwise(x: dict, y: dict, op) -> dict:
+    return {key: [op(a, b) for a, b in zip(value, y[key])] if isinstance(value, list) else op(value, y[key])
+            for key, value in x.items()}
 
 
 def mean_acceptance_length(counters: dict) -> float:
