@@ -185,7 +185,9 @@ def run_method(method: str, args, prompts: list, categories: list[str] | None, p
     try:
         llm.collective_rpc(install_step_timers)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
-        llm.generate(prompts[: max(args.batch_sizes)], params, use_tqdm=False)  # warm-up, not measured
+        # Warm-up, not measured: the largest batch once, a few tokens (every shape is met early on).
+        warm_up = SamplingParams(temperature=args.temperature, max_tokens=min(16, args.max_tokens), ignore_eos=True)
+        llm.generate(prompts[: max(args.batch_sizes)], warm_up, use_tqdm=False)
         by_batch = {}
         for batch_size, n in zip(args.batch_sizes, args.num_prompts):
             by_batch[str(batch_size)] = measure(llm, prompts[:n], batch_size, params, args.k,

@@ -32,7 +32,7 @@ ablations)
     ;;
 ship)
     OUT=assets/smollm2-heads
-    train $OUT/clover clover --augment-init identity --epochs 3
+    train $OUT/clover clover --augment-init identity --epochs 2
     train $OUT/clp clp --epochs 2
     train $OUT/medusa medusa --epochs 2
     ;;

@@ -1,5 +1,6 @@
 """The real target, SmolLM2-135M-Instruct: imported from its GGUF, it is the same model in
-vLLM and in transformers, and bad GGUF files get one clear error and leave nothing behind."""
+vLLM and in transformers, the heads shipped for it serve exactly its answers, and bad GGUF
+files get one clear error and leave nothing behind."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import json
 import pytest
 import torch
 
-from conftest import make_llm, shutdown
+from benchmarks.run import speculative_config
+from conftest import REPO, SERVED_LOSSLESS, make_llm, shutdown
+from vllm_clover.spec_metrics import spec_decode_counters
 from vllm_clover_training.data import chat_prompt_ids
 from vllm_clover_training.import_gguf import GgufError, import_gguf, packaged_gguf, sha256_file
 
@@ -18,6 +21,7 @@ CHATS = [
     "Give three tips for staying focused while studying.",
 ]
 NEW_TOKENS = 24
+SMOLLM2_HEADS = REPO / "assets" / "smollm2-heads"
 
 
 def test_the_import_is_a_complete_deterministic_model_directory(real_base):
@@ -30,28 +34,53 @@ def test_the_import_is_a_complete_deterministic_model_directory(real_base):
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (30, 576, 49152)
 
 
-def test_vllm_and_transformers_give_the_same_greedy_chat_answers(real_base):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+@pytest.fixture(scope="module")
+def chat_prompts(real_base) -> list[list[int]]:
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(real_base)
     assert tokenizer.chat_template  # the GGUF's template came along
-    prompts = [chat_prompt_ids(tokenizer, c) for c in CHATS]
+    return [chat_prompt_ids(tokenizer, c) for c in CHATS]
+
+
+def greedy_answers(real_base, prompts: list[list[int]], **engine) -> tuple[list[list[int]], dict | None]:
+    """(vLLM's greedy answers, its spec-decode counters) for token-id prompts."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = make_llm(real_base, disable_log_stats=False, **engine)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    counters = spec_decode_counters(llm)
+    shutdown(llm)
+    return [list(o.outputs[0].token_ids) for o in outputs], counters
+
+
+@pytest.fixture(scope="module")
+def vanilla_answers(real_base, chat_prompts) -> list[list[int]]:
+    return greedy_answers(real_base, chat_prompts)[0]
+
+
+def test_vllm_and_transformers_give_the_same_greedy_chat_answers(real_base, chat_prompts, vanilla_answers):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(real_base, dtype=torch.float32).eval()
     expected = []
     with torch.no_grad():
-        for ids in prompts:
+        for ids in chat_prompts:
             out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
             expected.append(out[0, len(ids):].tolist())
-    del model
-    llm = make_llm(real_base)
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
-    got = [list(o.outputs[0].token_ids) for o in
-           llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)]
-    shutdown(llm)
-    assert got == expected
-    assert "Paris" in tokenizer.decode(got[0])  # a real model: it knows things
+    assert vanilla_answers == expected
+    assert "Paris" in AutoTokenizer.from_pretrained(real_base).decode(vanilla_answers[0])  # it knows things
+
+
+@pytest.mark.parametrize("method", SERVED_LOSSLESS)
+def test_shipped_heads_serve_exactly_the_bases_answers(method, real_base, chat_prompts, vanilla_answers):
+    """The committed SmolLM2 heads in vLLM: plain decoding's tokens, and drafts that get accepted."""
+    answers, counters = greedy_answers(real_base, chat_prompts,
+                                       speculative_config=speculative_config(method, SMOLLM2_HEADS, 4))
+    assert answers == vanilla_answers
+    assert counters["accepted"] > 0, counters
 
 
 @pytest.mark.parametrize("damage,message", [

@@ -58,7 +58,7 @@ def test_short_run_learns_and_writes_a_loadable_checkpoint(method, demo_base, tr
 
 def test_eval_reports_per_head_accuracy(demo_base, train_jsonl, tmp_path):
     out = tmp_path / "clp"
-    run_cli("clp", "--base-model", demo_base, "--data", train_jsonl, "--out", out, *SMALL)
+    run_cli("clp", "--base-model", demo_base, "--data", train_jsonl, "--out", out, "--eval-data", train_jsonl, *SMALL)
     report = tmp_path / "eval.json"
     run_cli("eval", "--heads", out, "--base-model", demo_base, "--data", train_jsonl, "--out", report,
             "--max-len", "64")
@@ -74,11 +74,15 @@ def test_eval_reports_per_head_accuracy(demo_base, train_jsonl, tmp_path):
     assert accepted["mean_acceptance_length"] == pytest.approx(1 + sum(rates), abs=1e-3)
     assert rates[0] > 0  # the demo heads learn something in 12 steps
 
-    (out / "eval.json").write_text(report.read_text())
-    card = (model_card.write_card(out)).read_text()
+    # Training with --eval-data leaves the same evaluation, and a model card written from it.
+    trained_eval = json.loads((out / "eval.json").read_text())
+    assert [h["top1"] for h in trained_eval["per_head"]] == pytest.approx([h["top1"] for h in result["per_head"]],
+                                                                         abs=0.01)
+    card = (out / "README.md").read_text()
+    assert card == model_card.heads_card(out)
     assert card.startswith(f"# clp draft heads for `{demo_base.name}`")
-    assert f"| 1 | {100 * result['per_head'][0]['top1']:.1f}% |" in card
-    assert f"mean acceptance length {accepted['mean_acceptance_length']:.2f}" in card
+    assert f"| 1 | {100 * trained_eval['per_head'][0]['top1']:.1f}% |" in card
+    assert f"mean acceptance length {trained_eval['greedy_acceptance']['mean_acceptance_length']:.2f}" in card
     assert '"method": "clp"' in card and "Length predictor at tau" in card
 
 

@@ -223,23 +223,29 @@ def keep_metrics_until(path: Path, step: int) -> None:
 
 def finish(args: TrainArgs, heads, base: FrozenBase, tokenizer, work: Path, train_seconds: float) -> dict:
     from vllm_clover_training.evaluate import choose_tau, evaluate_module
+    from vllm_clover_training.model_card import write_card
 
     method = BY_NAME[args.method]
-    final = {"train_seconds": round(train_seconds, 1)}
+    final, extra_files = {"train_seconds": round(train_seconds, 1)}, {}
     if args.eval_data:
         eval_windows = data_mod.packed_files(args.eval_data, tokenizer, args.max_len)
         if method.length_predictor:
             heads.tau, final["tau_sweep"] = choose_tau(heads, base, eval_windows, args.batch_size)
-        final.update(evaluate_module(method.name, heads, base, eval_windows, args.batch_size))
+        evaluation = evaluate_module(method.name, heads, base, eval_windows, args.batch_size)
+        final.update(evaluation)
+        evaluation["data"] = [str(p) for p in args.eval_data]
+        extra_files["eval.json"] = json.dumps(evaluation, indent=2) + "\n"
     provenance = {
         "git_commit": git_commit(), "versions": package_versions(), "command": args.command,
         "args": json.loads(json.dumps(asdict(args), default=str)),
         "data_sha256": {str(p): data_mod.file_sha256(p) for p in args.data + args.eval_data},
         "final_metrics": final,
     }
-    checkpoint.save_heads(args.out, method, heads, args.base_model, provenance,
-                          extra_files={"metrics.jsonl": (work / "metrics.jsonl").read_text()},
+    extra_files["metrics.jsonl"] = (work / "metrics.jsonl").read_text()
+    checkpoint.save_heads(args.out, method, heads, args.base_model, provenance, extra_files=extra_files,
                           dtype=DTYPES[args.save_dtype])
+    if args.eval_data:  # the card reads what was just written, so it describes exactly these files
+        write_card(args.out)
     # The run is complete: only the self-distilled data stays, for the next run to reuse.
     for name in ("state.pt", "metrics.jsonl"):
         (work / name).unlink(missing_ok=True)

@@ -5,7 +5,8 @@ outside this module: its final hidden states come in, and its LM head weight is 
 to every call that needs it (shared, never copied into the checkpoint).
 
     base hidden states h_base [T, H] (after the base's final norm, as vLLM returns them)
-      -> Augmenting Block: one extra Llama decoder layer (init = base's last layer) + norm
+      -> Augmenting Block: one extra Llama decoder layer + norm (init: the base's last layer,
+         or that layer adding nothing at first: CloverHeads.init_from_base)
       -> h_0
     for head i = 1..K:
       h_i      = h_{i-1} + RegressiveBlock(h_{i-1}, e_{i-1})   (Attention Decoder by default)
