@@ -102,9 +102,15 @@ def plot_names(report: dict) -> list[str]:
     names = ["throughput", "speedup", "acceptance"]
     if any("by_category" in r.get("1", {}) for r in results.values()):
         names.append("categories")
-    if Path(report["settings"]["heads_dir"]).resolve() == HEADS.resolve():
+    if bundled_heads(report) == HEADS.name:
         names.append("ablation")
     return names
+
+
+def bundled_heads(report: dict) -> str:
+    """Which of the repository's heads directories (assets/NAME) the run served, by name: the
+    results file records the path on the machine that ran it."""
+    return Path(report["settings"]["heads_dir"]).name
 
 
 def write_plots(results_file: Path, out: Path) -> list[Path]:

@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks.plot import plot_names
+from benchmarks.plot import bundled_heads, plot_names
 from benchmarks.run import HEADS_METHODS
 from vllm_clover_training.accuracy_table import ROWS, SMOLLM2_ROWS
 from vllm_clover_training.accuracy_table import table as accuracy_table
@@ -73,11 +73,11 @@ def markdown(report: dict, results_file: Path) -> str:
                      f"{rep:.3f} vs vanilla's {rep_vanilla:.3f} (share of 4-grams already seen in the same output).")
     if any("by_category" in r.get("1", {}) for r in results.values()):
         parts += category_tables(results)
-    heads_dir = Path(report["settings"]["heads_dir"])
-    if heads_dir.name in ACCURACY_ROWS:
+    heads = bundled_heads(report)
+    if heads in ACCURACY_ROWS:
         parts += [f"**Per-head accuracy and the acceptance it implies** (teacher-forced on the held-out or validation "
-                  f"split, from the eval JSON files in `{heads_dir.name}/`):",
-                  accuracy_table(heads_dir, ACCURACY_ROWS[heads_dir.name])]
+                  f"split, from the eval JSON files in `assets/{heads}/`):",
+                  accuracy_table(REPO / "assets" / heads, ACCURACY_ROWS[heads])]
     plots = results_file.parent
     parts.append(" ".join(f"![{name}]({(plots / f'{name}.png').as_posix()})" for name in plot_names(report)))
     return "\n\n".join(parts)

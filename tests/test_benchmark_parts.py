@@ -12,6 +12,7 @@ from conftest import REPO
 from vllm_clover_training.data import DataError
 
 RESULTS = REPO / "benchmarks" / "results" / "results.json"
+SMOLLM2_RESULTS = REPO / "benchmarks" / "results" / "smollm2" / "results.json"
 SPEC_BENCH = REPO.parent / "shared" / "data" / "spec_bench_questions.jsonl"
 
 
@@ -58,15 +59,23 @@ def test_metrics():
     assert token_mismatches([[1, 2, 3], [1, 2]], [[1, 2, 3], [1, 9, 3]]) == [0, 2]
 
 
-def test_report_and_plots_from_the_committed_results(tmp_path):
-    results = json.loads(RESULTS.read_text())
-    text = report.markdown(results, RESULTS.relative_to(REPO))
+@pytest.mark.parametrize("results_file,section,batches", [
+    (RESULTS, "results", [1, 4, 8, 16, 32, 64]),
+    (SMOLLM2_RESULTS, "smollm2-results", [1, 4, 16, 64]),
+])
+def test_report_and_plots_from_the_committed_results(results_file, section, batches, tmp_path):
+    results = json.loads(results_file.read_text())
+    text = report.markdown(results, results_file.relative_to(REPO))
     for method in results["results"]:
         assert f"| {method} |" in text
-    assert "| method | batch 1 | batch 4 | batch 8 | batch 16 | batch 32 | batch 64 |" in text
+    assert "| method | " + " | ".join(f"batch {b}" for b in batches) + " |" in text
+    start, end = report.markers(section)
     readme = (REPO / "README.md").read_text()
-    assert text in readme, "README Results section is stale: rerun python -m benchmarks.report ... --readme README.md"
-    paths = plot.write_plots(RESULTS, tmp_path)
+    assert f"{start}\n{text}\n{end}" in readme, (
+        f"README section {section} is stale: rerun python -m benchmarks.report {results_file.relative_to(REPO)} "
+        f"--readme README.md --section {section}")
+    paths = plot.write_plots(results_file, tmp_path)
+    assert [p.stem for p in paths] == plot.plot_names(results)
     assert all(p.stat().st_size > 10_000 for p in paths)
 
 
