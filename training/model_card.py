@@ -50,7 +50,8 @@ def heads_card(heads_dir: Path) -> str:
         "",
         "## Training",
         "",
-        f"- data: {', '.join(f'`{p}` (SHA-256 `{h[:16]}...`)' for p, h in provenance['data_sha256'].items())}",
+        "- data (training, then evaluation): "
+        + ", ".join(f"`{p}` (SHA-256 `{h[:16]}...`)" for p, h in provenance["data_sha256"].items()),
         f"- {args['epochs']} epoch(s), batch {args['batch_size']} x {args['max_len']} tokens, lr {args['lr']}, "
         f"{'soft targets (the base distributions)' if args.get('soft_targets') else 'hard labels'}, "
         f"compute {args.get('compute_dtype', 'float32')}; "
