@@ -83,9 +83,8 @@ def load_prompts(source: str, n: int) -> Prompts:
 
 def jsonl_prompts(path: Path, n: int) -> Prompts:
     """Lines {"prompt": ...}, Spec-Bench style {"turns": [first, ...]} or chats {"messages": [...]}
-    (the first turn, or first user message, used). With a
-    "category" on every line, the first n prompts of a round robin over categories, so that any
-    number of prompts covers every category about equally."""
+    (the first turn, or the first user message). With a "category" on every line, the first n
+    prompts of a round robin over categories, so any number of prompts covers them all evenly."""
     texts, categories = [], []
     for where, record in iter_jsonl(path):
         if isinstance(record.get("prompt"), str):
