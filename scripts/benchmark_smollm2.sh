@@ -15,7 +15,7 @@ mkdir -p "$OUT"
 
 case "${1:-spec-bench}" in
 validation)
-    $PY -m benchmarks.run "${COMMON[@]}" --methods medusa,clover,clp --batch-sizes 1 --num-prompts 12 \
+    $PY -m benchmarks.run "${COMMON[@]}" --methods medusa,clover,clp --batch-sizes 1 --num-prompts 8 \
         --prompts assets/smollm2-data/validation.jsonl --out "$OUT/validation.json"
     ;;
 spec-bench)

@@ -71,7 +71,7 @@ def test_eval_reports_per_head_accuracy(demo_base, train_jsonl, tmp_path):
     accepted = result["greedy_acceptance"]
     rates = accepted["rate_per_position"]
     assert len(rates) == 3 and all(a >= b for a, b in zip(rates, rates[1:]))
-    assert accepted["mean_acceptance_length"] == pytest.approx(1 + sum(rates), abs=1e-3)
+    assert accepted["per_position_acceptance_length"] == pytest.approx(1 + sum(rates), abs=1e-3)
     assert rates[0] > 0  # the demo heads learn something in 12 steps
 
     # Training with --eval-data leaves the same evaluation, and a model card written from it.
@@ -82,7 +82,7 @@ def test_eval_reports_per_head_accuracy(demo_base, train_jsonl, tmp_path):
     assert card == model_card.heads_card(out)
     assert card.startswith(f"# clp draft heads for `{demo_base.name}`")
     assert f"| 1 | {100 * trained_eval['per_head'][0]['top1']:.1f}% |" in card
-    assert f"mean acceptance length {trained_eval['greedy_acceptance']['mean_acceptance_length']:.2f}" in card
+    assert f"{trained_eval['greedy_acceptance']['per_position_acceptance_length']:.2f} tokens a step" in card
     assert '"method": "clp"' in card and "Length predictor at tau" in card
 
 

@@ -31,18 +31,19 @@ SMOLLM2_ROWS = [  # the SmolLM2 heads (8k draft vocabulary) and the choices meas
 
 
 def table(heads_dir: Path, rows: list[tuple[str, str]] = ROWS) -> str:
-    """Top-1 / top-5 per head and, where the eval has it, the greedy acceptance length it implies."""
+    """Top-1 / top-5 per head and, where the eval has it, greedy acceptance per position (evaluate.py)."""
     results = [(label, json.loads((heads_dir / rel).read_text())) for label, rel in rows
                if (heads_dir / rel).exists()]
     k = max(len(r["per_head"]) for _, r in results)
     with_acceptance = any("greedy_acceptance" in r for _, r in results)
     head = "| heads | " + " | ".join(f"head {i} top-1 / top-5" for i in range(1, k + 1)) + " |"
-    head += " acceptance length (greedy, implied) |" if with_acceptance else ""
+    head += " greedy acceptance per position |" if with_acceptance else ""
     lines = [head, "|---" * (k + 1 + with_acceptance) + "|"]
     for label, r in results:
         cells = [f"{100 * h['top1']:.1f} / {100 * h['top5']:.1f}" for h in r["per_head"]]
         if with_acceptance:
-            cells.append(f"{r['greedy_acceptance']['mean_acceptance_length']:.2f}" if "greedy_acceptance" in r else "–")
+            accepted = r.get("greedy_acceptance")
+            cells.append(f"{accepted['per_position_acceptance_length']:.2f}" if accepted else "–")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -5,6 +5,14 @@ mask keeps it (a chat's answers, all of a text), whether x_{t+1+i} is among its 
 tokens (never, for a token outside a draft vocabulary), with earlier regressive inputs teacher-forced
 (so it is head i's accuracy given that heads 1..i-1 were right: the case in which
 verification ever reaches head i).
+
+The same pass gives greedy acceptance: while heads 1..i-1 are right, their drafts *are* the
+teacher-forced inputs, so a step drafting at t would accept as many drafts as the heads get
+right in a row there (on self-distilled data, the base's own greedy answers). Averaged over
+*positions*, 1 + that run is not what serving reports, an average over *steps*: a step that
+accepts n drafts skips the n positions after it, mostly easy ones, so steps land on hard
+positions more often than positions do, and serving sees less (SmolLM2 validation prompts:
+Clover 1.48 served against 1.94 per position, Medusa 1.39 against 1.72).
 """
 
 from __future__ import annotations
@@ -70,7 +78,7 @@ def evaluate_module(method: str, heads, base: FrozenBase, windows: Windows, batc
               "per_head": [{"top1": round(a[0].item(), 4), "top5": round(a[1].item(), 4)} for a in acc]}
     runs = torch.cat(accepted_runs)
     result["greedy_acceptance"] = {
-        "mean_acceptance_length": round(1 + runs.float().mean().item(), 4),
+        "per_position_acceptance_length": round(1 + runs.float().mean().item(), 4),
         "rate_per_position": [round((runs >= i).float().mean().item(), 4) for i in range(1, len(acc) + 1)],
         "positions": len(runs)}
     if length_probs:

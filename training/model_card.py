@@ -70,16 +70,18 @@ def heads_card(heads_dir: Path) -> str:
     ]
     if "greedy_acceptance" in evaluation:
         accepted = evaluation["greedy_acceptance"]
-        lines += [f"Greedy acceptance these accuracies imply on that data (all K drafts verified): mean acceptance "
-                  f"length {accepted['mean_acceptance_length']:.2f}, per position "
+        lines += [f"Greedy acceptance on that data, teacher-forced, averaged over answer positions (all K drafts "
+                  f"verified): {accepted['per_position_acceptance_length']:.2f} tokens a step, per draft position "
                   + " / ".join(f"{100 * r:.1f}%" for r in accepted["rate_per_position"]) + ".", ""]
     if "clp" in evaluation:
         clp = evaluation["clp"]
         lines += [f"Length predictor at tau = {clp['tau']}: mean draft length {clp['mean_draft_len']:.2f}, "
                   f"expected accepted {clp['expected_accepted']:.2f}, wrongly drafted {clp['expected_wrong']:.2f} "
                   "tokens per step.", ""]
-    lines += ["Accuracy is teacher-forced on held-out data like the training data; prompts unlike it "
-              "(other tasks, languages, styles) get less. Benchmarks in vLLM: the repository's README.", ""]
+    lines += ["Accuracy is teacher-forced on held-out data like the training data. Served acceptance is lower: "
+              "serving averages over steps, which skip the easy positions after accepted drafts, and prompts "
+              "unlike the training data (other tasks, languages, styles) get less. Benchmarks in vLLM: the "
+              "repository's README.", ""]
     return "\n".join(lines)
 
 
