@@ -176,8 +176,8 @@ class CloverHeads(StateDictCheckpoint, DraftVocabulary, nn.Module):
         passing the base's hidden state through (rescaled to the final norm's RMS, which keeps
         its direction and so the base's own prediction) and learns what to add. The paper's
         copy re-applies the last layer to an input that has already been through it and the
-        final norm: on SmolLM2 each fresh head's cross-entropy was 28, against 11-14 without
-        the block."""
+        final norm: on SmolLM2 each fresh head's cross-entropy was 29, against 10-12 with the
+        identity start."""
         if not self.config.augmenting_block:
             return
         self.augment.load_state_dict(last_layer_state)
