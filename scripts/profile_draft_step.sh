@@ -12,7 +12,7 @@ TARGET=${1:?demo or smollm2}
 LABEL=${2:?a label for the results file, e.g. before or after}
 OUT=benchmarks/results/profile
 mkdir -p "$OUT"
-COMMON=(--methods vanilla,medusa,clover,clp --batch-sizes 1,16 --max-tokens 96 --rounds 3 --profile
+COMMON=(--methods vanilla,medusa,clover,clp --batch-sizes 1,16 --max-tokens 64 --rounds 3 --profile
         --out "$OUT/$TARGET-$LABEL.json")
 case "$TARGET" in
 demo)
@@ -21,7 +21,7 @@ demo)
 smollm2)
     [ -f runs/smollm2-135m-instruct/config.json ] || make real-base
     $PY -m benchmarks.run "${COMMON[@]}" --base-model runs/smollm2-135m-instruct --heads-dir assets/smollm2-heads \
-        --prompts ../shared/data/spec_bench_questions.jsonl --num-prompts 12,48 --max-model-len 2048 \
+        --prompts ../shared/data/spec_bench_questions.jsonl --num-prompts 8,32 --max-model-len 2048 \
         --kv-cache-mb 1536 --enforce-eager
     ;;
 *)
