@@ -45,10 +45,26 @@ def save(fig, ax, xlabel: str, ylabel: str, title: str, path: Path) -> None:
     plt.close(fig)
 
 
-def line_plot(series, ylabel: str, title: str, path: Path, baseline: float | None = None) -> None:
+def spreads(results: dict) -> dict[str, list[tuple[float, float]]]:
+    """Per method, each batch size's speed-up range over rounds as error-bar lengths (below, above)."""
+    bars = {}
+    for method, by_batch in results.items():
+        points = sorted((int(b), r) for b, r in by_batch.items() if "speedup_over_vanilla" in r)
+        if points:
+            bars[method] = [(r["speedup_over_vanilla"] - r.get("speedup_range", [r["speedup_over_vanilla"]])[0],
+                             r.get("speedup_range", [r["speedup_over_vanilla"]])[-1] - r["speedup_over_vanilla"])
+                            for _, r in points]
+    return bars
+
+
+def line_plot(series, ylabel: str, title: str, path: Path, baseline: float | None = None,
+              errors: dict | None = None) -> None:
     fig, ax = new_axes()
     for method, (x, y) in series.items():
-        ax.plot(x, y, marker="o", label=method)
+        if errors and method in errors:
+            ax.errorbar(x, y, yerr=list(zip(*errors[method])), marker="o", capsize=3, label=method)
+        else:
+            ax.plot(x, y, marker="o", label=method)
     if baseline is not None:
         ax.axhline(baseline, color="grey", linewidth=0.8, linestyle="--")
     ax.set_xscale("log", base=2)
@@ -124,7 +140,8 @@ def write_plots(results_file: Path, out: Path) -> list[Path]:
         "throughput": lambda p: line_plot(by_method(results, "output_tokens_per_s"), "output tokens/s",
                                           "Throughput", p),
         "speedup": lambda p: line_plot(by_method(results, "speedup_over_vanilla"), "speed-up over vanilla",
-                                       "Speed-up", p, baseline=1.0),
+                                       "Speed-up (bars: lowest to highest round)", p, baseline=1.0,
+                                       errors=spreads(results)),
         "acceptance": lambda p: acceptance_plot(results, p),
         "categories": lambda p: category_plot(results, p),
         "ablation": ablation_plot,

@@ -52,8 +52,8 @@ def markdown(report: dict, results_file: Path) -> str:
         f"{prompts_text(report)}, {report['settings']['max_tokens']} tokens each, "
         f"temperature {report['settings']['temperature']}, K = {report['settings']['k']}, "
         f"{report['settings']['dtype']}.",
-        "**Output tokens/s** and, in brackets, **speed-up over vanilla** at the same batch size:",
-        grid(results, lambda r, b: f"{r['output_tokens_per_s']:.0f} ({r.get('speedup_over_vanilla', 1):.2f}x)"),
+        speed_caption(results),
+        grid(results, speed_cell),
         "**Mean acceptance length** (1 + accepted / drafts, over the steps that drafted) and, in brackets, "
         "**output tokens per engine step / batch size** (prefill steps, and steps after some requests of a "
         "wave finished, included):",
@@ -71,6 +71,7 @@ def markdown(report: dict, results_file: Path) -> str:
         rep_vanilla = sum(r["repetition_ratio"] for r in results["vanilla"].values()) / len(results["vanilla"])
         parts.append(f"**{method} quality:** {100 * equal:.1f}% of outputs equal to vanilla's; repetition ratio "
                      f"{rep:.3f} vs vanilla's {rep_vanilla:.3f} (share of 4-grams already seen in the same output).")
+    parts += step_table(results, report["settings"]["batch_sizes"])
     if any("by_category" in r.get("1", {}) for r in results.values()):
         parts += category_tables(results)
     heads = bundled_heads(report)
@@ -81,6 +82,52 @@ def markdown(report: dict, results_file: Path) -> str:
     plots = results_file.parent
     parts.append(" ".join(f"![{name}]({(plots / f'{name}.png').as_posix()})" for name in plot_names(report)))
     return "\n\n".join(parts)
+
+
+def speed_caption(results: dict) -> str:
+    rounds = max(r.get("rounds", 1) for by_batch in results.values() for r in by_batch.values())
+    if rounds == 1:
+        return "**Output tokens/s** and, in brackets, **speed-up over vanilla** at the same batch size:"
+    return (f"**Output tokens/s** (median of {rounds} interleaved rounds) and, in brackets, **speed-up over "
+            "vanilla** (median of the per-round ratios) with its lowest and highest round; a range that "
+            "contains 1.00 (marked ≈) is no measured difference:")
+
+
+def speed_cell(r: dict, batch: int) -> str:
+    speed = f"{r['output_tokens_per_s']:.0f} ({r.get('speedup_over_vanilla', 1):.2f}x"
+    if "speedup_range" not in r or r.get("rounds", 1) == 1:
+        return speed + ")"
+    low, high = r["speedup_range"]
+    return speed + f", {low:.2f}–{high:.2f}{' ≈' if low <= 1 <= high else ''})"
+
+
+def step_table(results: dict, batches: list[int]) -> list[str]:
+    """Milliseconds per engine step by part, for runs with --profile (rows: parts, columns:
+    method at batch size)."""
+    columns = [(m, b) for m in results for b in batches if "target_forward" in
+               results[m].get(str(b), {}).get("step_seconds", {})]
+    if not columns:
+        return []
+    parts = list(dict.fromkeys(part for m, b in columns for part in results[m][str(b)]["step_seconds"]))
+    lines = ["| part (ms per step) | " + " | ".join(f"{m} b{b}" for m, b in columns) + " |",
+             "|---" * (len(columns) + 1) + "|"]
+    for part in parts:
+        cells = [results[m][str(b)]["step_seconds"].get(part) for m, b in columns]
+        lines.append(f"| {PART_NAMES.get(part, part)} | "
+                     + " | ".join("–" if c is None else f"{1000 * c:.2f}" for c in cells) + " |")
+    return ["**Where a step's time goes** (`--profile`; worker wall clock per engine step, CPU ops are "
+            "synchronous; draft.* rows are parts of the draft step):", "\n".join(lines)]
+
+
+PART_NAMES = {
+    "wall": "engine step, wall clock", "runner": "model runner", "execute_other": "input preparation",
+    "target_forward": "target forward", "sampling": "sampling and rejection", "sample_other": "runner bookkeeping",
+    "draft": "draft step", "draft.draft_batch": "draft: batch bookkeeping",
+    "draft.attention_metadata": "draft: attention metadata", "draft.augmenting_block": "draft: augmenting block",
+    "draft.heads_chain": "draft: heads' own layers", "draft.head_logits": "draft: logits + argmax",
+    "draft.head_rows": "draft: token rows", "draft.other": "draft: the rest (host copies, Python)",
+    "outside_runner": "engine outside the runner",
+}
 
 
 def prompts_text(report: dict) -> str:

@@ -1,16 +1,20 @@
 """Side-by-side speculative-decoding benchmark: every method on the same prompts, one vLLM
-engine per method, requests run in waves of `batch size` concurrent requests of equal
-length (so the batch stays that size until the wave ends), warm-up excluded.
+engine per method, all loaded at once and measured in interleaved rounds; requests run in
+waves of `batch size` concurrent requests of equal length (so the batch stays that size
+until the wave ends), warm-up excluded.
 
     python -m benchmarks.run --methods vanilla,ngram,medusa,clover,clp,clp-trust \\
         --batch-sizes 1,4,8,16,32,64 --prompts heldout --num-prompts 64 --max-tokens 128 \\
-        --out benchmarks/results/results.json
+        --rounds 3 --out benchmarks/results/results.json
 
 ngram and medusa are vLLM's own proposers (medusa with heads from our trainer, in vLLM's
-format). For every method and batch size results.json holds output tokens/s, requests/s,
-mean acceptance length (1 + accepted / drafts, vLLM's definition, over steps that drafted),
-tokens per step, acceptance rate per position, the draft step's share of engine step time,
-and token mismatches against vanilla's outputs per prompt (0 everywhere = identical).
+format). For every method and batch size results.json holds output tokens/s (the median
+round, and every round), the speed-up over vanilla (median of the per-round ratios, with
+their range), requests/s, mean acceptance length (1 + accepted / drafts, vLLM's
+definition, over steps that drafted), tokens per step, acceptance rate per position, the
+draft step's share of engine step time, seconds per step by part (`--profile` splits the
+target forward, sampling and our draft step's parts), and token mismatches against
+vanilla's outputs per prompt (0 everywhere = identical).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import itertools
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -126,33 +131,84 @@ def request_inputs(prompts: list[str], base_model: Path, raw: bool) -> list:
 
 # ---- measuring inside the engine ----
 
-def install_step_timers(worker):
-    """Runs in the worker (LLM.collective_rpc): time the runner's forward, sampling and
-    draft calls. Instance attributes shadow the class methods, so vLLM calls these."""
+# Where an engine step's time goes (worker wall clock; on CPU every op is synchronous, so a
+# function's time is its work). Runner parts for every method; `--profile` adds our draft
+# step's parts (they only exist in engines that draft with our heads).
+RUNNER_PARTS = {"execute": "execute_model", "sample": "sample_tokens", "draft": "propose_draft_token_ids"}
+PROFILE_RUNNER_PARTS = {"target_forward": "_model_forward", "sampling": "_sample"}
+# Our draft step, nested inside "draft": (part, where it lives).
+PROFILE_DRAFT_PARTS = {"draft_batch": ("proposer", "draft_batch"),
+                       "attention_metadata": ("proposer", "draft_attention"),
+                       "augmenting_block": ("model", "augmented"),
+                       "heads_chain": ("heads", "draft"),
+                       "head_logits": ("lm_head", "greedy"),
+                       "head_rows": ("lm_head", "rows")}
+
+
+def install_step_timers(worker, profile: bool = False):
+    """Runs in the worker (LLM.collective_rpc): time runner calls by wrapping them. Instance
+    attributes shadow class methods, so vLLM calls the wrappers; module functions are
+    replaced in the module our proposer looks them up in. Every part counts its calls too."""
     import time as clock
 
-    runner, totals = worker.model_runner, {"execute": 0.0, "sample": 0.0, "draft": 0.0, "steps": 0}
-    worker.benchmark_timers = totals
+    runner = worker.model_runner
+    totals = worker.benchmark_timers = {}
 
     def timed(name, call):
+        totals.setdefault(name, 0.0)
+
         def wrapper(*args, **kwargs):
             start = clock.perf_counter()
-            totals["steps"] += name == "sample"
             try:
                 return call(*args, **kwargs)
             finally:
                 totals[name] += clock.perf_counter() - start
+                totals[f"{name}_calls"] = totals.get(f"{name}_calls", 0) + 1
         return wrapper
 
-    runner.execute_model = timed("execute", runner.execute_model)
-    runner.sample_tokens = timed("sample", runner.sample_tokens)  # drafting happens inside it
-    runner.propose_draft_token_ids = timed("draft", runner.propose_draft_token_ids)
+    parts = {**RUNNER_PARTS, **(PROFILE_RUNNER_PARTS if profile else {})}
+    for name, member in parts.items():
+        setattr(runner, member, timed(name, getattr(runner, member)))
+    model = getattr(getattr(runner, "drafter", None), "model", None)
+    if not profile or not hasattr(model, "heads"):  # not one of our draft models
+        return
+    from vllm_clover import proposer
+
+    owners = {"proposer": proposer, "model": model, "heads": model.heads, "lm_head": model.lm_head}
+    for name, (owner, member) in PROFILE_DRAFT_PARTS.items():
+        setattr(owners[owner], member, timed(name, getattr(owners[owner], member)))
 
 
 def read_step_timers(worker):
     totals = dict(worker.benchmark_timers)
-    worker.benchmark_timers.update(execute=0.0, sample=0.0, draft=0.0, steps=0)
+    for name, value in worker.benchmark_timers.items():
+        worker.benchmark_timers[name] = type(value)()  # zero, keeping the key
     return totals
+
+
+def step_breakdown(timers: dict, wall_seconds: float) -> dict:
+    """Seconds per engine step by part: the runner's parts, what of the draft step is not
+    one of its named parts, and the engine outside the runner (scheduler, IPC, detokenising)."""
+    steps = max(timers["sample_calls"], 1)
+    per_step = {name: timers[name] / steps for name in timers if not name.endswith("_calls") and name != "steps"}
+    runner = per_step["execute"] + per_step["sample"]
+    breakdown = {"wall": wall_seconds / steps, "runner": runner}
+    if "target_forward" in per_step:
+        breakdown["execute_other"] = per_step["execute"] - per_step["target_forward"]
+        breakdown["target_forward"] = per_step["target_forward"]
+        breakdown["sampling"] = per_step["sampling"]
+        breakdown["sample_other"] = per_step["sample"] - per_step["sampling"] - per_step["draft"]
+    breakdown["draft"] = per_step["draft"]
+    ours = [name for name in PROFILE_DRAFT_PARTS if name in per_step]
+    if ours:
+        # heads_chain holds head_logits and head_rows; the rest of it is the heads' own layers.
+        inside_chain = per_step.get("head_logits", 0.0) + per_step.get("head_rows", 0.0)
+        for name in ours:
+            breakdown[f"draft.{name}"] = per_step[name] - (inside_chain if name == "heads_chain" else 0.0)
+        breakdown["draft.other"] = per_step["draft"] - sum(per_step[name] for name in ours if name not in
+                                                           ("head_logits", "head_rows"))
+    breakdown["outside_runner"] = breakdown["wall"] - runner
+    return breakdown
 
 
 # ---- quality of unverified outputs ----
@@ -172,9 +228,10 @@ def token_mismatches(ours: list[list[int]], reference: list[list[int]]) -> list[
     return [sum(a != b for a, b in zip(x, y)) + abs(len(x) - len(y)) for x, y in zip(ours, reference, strict=True)]
 
 
-# ---- one method ----
+# ---- engines, measured in interleaved rounds ----
 
-def run_method(method: str, args, prompts: list, categories: list[str] | None, progress) -> dict:
+def start_engine(method: str, args, prompts: list):
+    """One method's engine, warmed up and with step timers installed."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(args.base_model), speculative_config=speculative_config(method, args.heads_dir, args.k),
@@ -182,25 +239,72 @@ def run_method(method: str, args, prompts: list, categories: list[str] | None, p
               max_num_seqs=max(args.batch_sizes), kv_cache_memory_bytes=args.kv_cache_mb << 20,
               enforce_eager=args.enforce_eager)
     try:
-        llm.collective_rpc(install_step_timers)
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
         # Warm-up, not measured: the largest batch once, a few tokens (every shape is met early on).
         warm_up = SamplingParams(temperature=args.temperature, max_tokens=min(16, args.max_tokens), ignore_eos=True)
         llm.generate(prompts[: max(args.batch_sizes)], warm_up, use_tqdm=False)
-        by_batch = {}
+        llm.collective_rpc(install_step_timers, args=(args.profile,))
+    except BaseException:
+        shutdown(llm)
+        raise
+    return llm
+
+
+def shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+
+
+def run_interleaved(args, prompts: list, categories: list[str] | None, progress) -> tuple[dict, dict]:
+    """(results by method and batch size, failures by method).
+
+    Every method's engine stays loaded, and each batch size runs `args.rounds` rounds; a
+    round measures every method once on the same prompts, in an order rotated from round
+    to round. A shared machine's speed drifts over minutes, so methods measured one after
+    the other, minutes apart, see different machines; within a round they see the same one,
+    and the per-round ratios to vanilla (compare_with_vanilla) carry the drift's spread."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
+    engines, failed = {}, {}
+    try:
+        for method in args.methods:
+            progress.set_postfix(starting=method)
+            try:
+                engines[method] = start_engine(method, args, prompts)
+            except Exception as e:  # report it; the other methods still run
+                failed[method] = report_failure(method, e)
+        rounds: dict[str, dict[str, list]] = {method: {} for method in engines}
         for batch_size, n in zip(args.batch_sizes, args.num_prompts):
-            by_batch[str(batch_size)] = measure(llm, prompts[:n], batch_size, params, args.k,
-                                                categories and categories[:n])
-            progress.update(1)
-        return by_batch
+            for r in range(args.rounds):
+                order = list(engines)[r % len(engines):] + list(engines)[: r % len(engines)] if engines else []
+                for method in (m for m in order if m not in failed):
+                    progress.set_postfix(batch=batch_size, round=r + 1, method=method)
+                    try:
+                        measured = measure(engines[method], prompts[:n], batch_size, params, args.k,
+                                           categories and categories[:n])
+                    except Exception as e:
+                        failed[method] = report_failure(method, e)
+                        continue
+                    rounds[method].setdefault(str(batch_size), []).append(measured)
+                progress.update(1)
+        results = {method: {batch: summarize(measured, int(batch)) for batch, measured in by_batch.items()}
+                   for method, by_batch in rounds.items() if method not in failed}
+        return results, failed
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        for llm in engines.values():
+            shutdown(llm)
+
+
+def report_failure(method: str, error: Exception) -> str:
+    text = f"{type(error).__name__}: {error}"
+    print(f"\n{method} failed: {text}", file=sys.stderr)
+    return text
 
 
 def measure(llm, prompts: list, batch_size: int, params, k: int, categories: list[str] | None = None) -> dict:
-    """Waves of `batch_size` requests: speed, acceptance and the draft step's share of time.
-    With `categories` at batch 1, the same run is also split by category: acceptance differs a
-    lot between tasks, and the engine's counters only split when no wave mixes categories."""
+    """One round: waves of `batch_size` requests -> outputs, seconds, the engine's step
+    timers and spec-decode counters. With `categories` at batch 1, the same round is also
+    split by category: acceptance differs a lot between tasks, and the engine's counters
+    only split when no wave mixes categories."""
     split = categories is not None and batch_size == 1
     llm.collective_rpc(read_step_timers)  # reset
     first = spec_decode_counters(llm, k)
@@ -211,29 +315,51 @@ def measure(llm, prompts: list, batch_size: int, params, k: int, categories: lis
         wave = llm.generate(prompts[i:i + batch_size], params, use_tqdm=False)
         wave_seconds = time.perf_counter() - start
         seconds += wave_seconds
-        outputs += wave
+        outputs += [list(o.outputs[0].token_ids) for o in wave]
         if split:
             part = by_category.setdefault(categories[i], {"num_prompts": 0, "seconds": 0.0, "output_tokens": 0})
             part["num_prompts"] += 1
             part["seconds"] += wave_seconds
-            part["output_tokens"] += len(wave[0].outputs[0].token_ids)
+            part["output_tokens"] += len(outputs[-1])
             part["spec_decode"] = counters_plus(part.get("spec_decode"),
                                                 counters_since(before, spec_decode_counters(llm, k)))
-    spec = counters_since(first, spec_decode_counters(llm, k))
-    timers = llm.collective_rpc(read_step_timers)[0]
-    tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    num_tokens = sum(map(len, tokens))
+    return {"outputs": outputs, "seconds": seconds, "timers": llm.collective_rpc(read_step_timers)[0],
+            "spec_decode": counters_since(first, spec_decode_counters(llm, k)), "by_category": by_category}
+
+
+def summarize(rounds: list[dict], batch_size: int) -> dict:
+    """One method at one batch size over its rounds: the median round's speed, each round's
+    speed (for the spread), and counters and timers summed over rounds."""
+    outputs = rounds[0]["outputs"]
+    rates = [sum(map(len, r["outputs"])) / r["seconds"] for r in rounds]
+    timers = {name: sum(r["timers"][name] for r in rounds) for name in rounds[0]["timers"]}
+    spec = None
+    for r in rounds:
+        spec = counters_plus(spec, r["spec_decode"])
     result = {
-        "num_prompts": len(prompts),
-        "seconds": seconds,
-        "output_tokens": num_tokens,
-        "output_tokens_per_s": num_tokens / seconds,
-        "requests_per_s": len(prompts) / seconds,
+        "num_prompts": len(outputs),
+        "rounds": len(rounds),
+        "seconds": statistics.median(r["seconds"] for r in rounds),
+        "output_tokens": sum(map(len, outputs)),
+        "output_tokens_per_s": statistics.median(rates),
+        "output_tokens_per_s_rounds": rates,
+        "requests_per_s": len(outputs) / statistics.median(r["seconds"] for r in rounds),
         "draft_time_fraction": timers["draft"] / (timers["execute"] + timers["sample"]),
-        "tokens_per_step": num_tokens / timers["steps"],  # all requests of the batch together
-        "outputs": tokens,
+        "tokens_per_step": sum(sum(map(len, r["outputs"])) for r in rounds) / timers["sample_calls"],
+        "step_seconds": step_breakdown(timers, sum(r["seconds"] for r in rounds)),
+        # Greedy decoding is deterministic: rounds that disagree would be a bug worth seeing.
+        "rounds_agree": all(r["outputs"] == outputs for r in rounds),
+        "outputs": outputs,
         **acceptance(spec),
     }
+    by_category = {}
+    for r in rounds:
+        for category, part in r["by_category"].items():
+            total = by_category.setdefault(category, {"num_prompts": part["num_prompts"], "seconds": 0.0,
+                                                      "output_tokens": 0, "spec_decode": None})
+            total["seconds"] += part["seconds"]
+            total["output_tokens"] += part["output_tokens"]
+            total["spec_decode"] = counters_plus(total["spec_decode"], part["spec_decode"])
     for part in by_category.values():
         part.update(output_tokens_per_s=part["output_tokens"] / part["seconds"], **acceptance(part.pop("spec_decode")))
     if by_category:
@@ -267,7 +393,11 @@ def compare_with_vanilla(results: dict) -> None:
             reference = vanilla[batch]["outputs"]
             result["mismatches"] = token_mismatches(tokens, reference)
             result["outputs_equal_to_vanilla"] = sum(m == 0 for m in result["mismatches"]) / len(tokens)
-            result["speedup_over_vanilla"] = result["output_tokens_per_s"] / vanilla[batch]["output_tokens_per_s"]
+            # Round i of every method ran minutes apart at most: the ratio is taken round by round.
+            ratios = [ours / theirs for ours, theirs in zip(result["output_tokens_per_s_rounds"],
+                                                            vanilla[batch]["output_tokens_per_s_rounds"])]
+            result["speedup_over_vanilla"] = statistics.median(ratios)
+            result["speedup_range"] = [min(ratios), max(ratios)]
 
 
 def fingerprint_outputs(results: dict) -> None:
@@ -312,12 +442,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--kv-cache-mb", type=int, default=1024)
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no torch.compile: engines start in ~25 s instead of ~60 s on 2 cores, run slower")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved rounds per batch size (speed is their median, the spread their range)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also time the parts of an engine step (target forward, sampling, our draft step's parts)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     args.methods = args.methods.split(",")
     unknown = sorted(set(args.methods) - set(BENCHMARK_METHODS))
     if unknown:
         parser.error(f"unknown methods {unknown}; choose from {', '.join(BENCHMARK_METHODS)}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.num_prompts = [int(n) for n in args.num_prompts.split(",")]
     if len(args.num_prompts) == 1:
@@ -342,14 +478,8 @@ def main(argv: list[str] | None = None, summary: bool = True) -> dict:
     report = {**environment(argv), "settings": {k: str(v) if isinstance(v, Path) else v
                                                 for k, v in vars(args).items()},
               "num_prompts": len(prompts), "results": {}, "failed": {}}
-    with tqdm(total=len(args.methods) * len(args.batch_sizes), desc="benchmark", unit="run") as progress:
-        for method in args.methods:
-            progress.set_postfix(method=method)
-            try:
-                report["results"][method] = run_method(method, args, prompts, loaded.categories, progress)
-            except Exception as e:  # report it; the other methods still run
-                report["failed"][method] = f"{type(e).__name__}: {e}"
-                print(f"\n{method} failed: {report['failed'][method]}", file=sys.stderr)
+    with tqdm(total=len(args.batch_sizes) * args.rounds, desc="benchmark", unit="round") as progress:
+        report["results"], report["failed"] = run_interleaved(args, prompts, loaded.categories, progress)
     compare_with_vanilla(report["results"])
     fingerprint_outputs(report["results"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -360,12 +490,15 @@ def main(argv: list[str] | None = None, summary: bool = True) -> dict:
 
 
 def print_summary(report: dict) -> None:
-    print(f"\n{'method':<11}{'batch':>6}{'tok/s':>9}{'speed-up':>10}{'accept len':>11}{'draft %':>9}{'mismatch':>9}")
+    print(f"\n{'method':<11}{'batch':>6}{'tok/s':>9}{'speed-up':>10}{'range':>12}{'accept len':>11}"
+          f"{'draft %':>9}{'mismatch':>9}")
     for method, by_batch in report["results"].items():
         for batch, r in by_batch.items():
             mismatched = sum(m > 0 for m in r.get("mismatches", []))
+            low, high = r.get("speedup_range", (1, 1))
             print(f"{method:<11}{batch:>6}{r['output_tokens_per_s']:>9.1f}{r.get('speedup_over_vanilla', 1):>9.2f}x"
-                  f"{r.get('mean_acceptance_length', 1):>11.2f}{100 * r['draft_time_fraction']:>8.1f}%{mismatched:>9}")
+                  f"{low:>6.2f}-{high:<5.2f}{r.get('mean_acceptance_length', 1):>11.2f}"
+                  f"{100 * r['draft_time_fraction']:>8.1f}%{mismatched:>9}")
     for method, error in report["failed"].items():
         print(f"{method}: FAILED {error}")
 

@@ -7,7 +7,16 @@ import json
 import pytest
 
 from benchmarks import plot, report
-from benchmarks.run import Prompts, load_prompts, repetition_ratio, request_inputs, token_mismatches
+from benchmarks.run import (
+    Prompts,
+    compare_with_vanilla,
+    load_prompts,
+    repetition_ratio,
+    request_inputs,
+    step_breakdown,
+    summarize,
+    token_mismatches,
+)
 from conftest import REPO
 from vllm_clover_training.data import DataError
 
@@ -59,6 +68,41 @@ def test_metrics():
     assert token_mismatches([[1, 2, 3], [1, 2]], [[1, 2, 3], [1, 9, 3]]) == [0, 2]
 
 
+def a_round(seconds: float, outputs: list[list[int]], draft: float = 0.0) -> dict:
+    """What benchmarks.run.measure returns for one round (10 engine steps, no categories)."""
+    return {"outputs": outputs, "seconds": seconds, "by_category": {}, "spec_decode": None,
+            "timers": {"execute": 0.5 * seconds, "sample": 0.25 * seconds, "draft": draft, "sample_calls": 10}}
+
+
+def test_rounds_give_the_median_speed_and_per_round_ratios():
+    outputs = [[1, 2, 3, 4]] * 2  # 8 tokens a round
+    vanilla = summarize([a_round(1.0, outputs), a_round(2.0, outputs), a_round(4.0, outputs)], batch_size=1)
+    assert vanilla["output_tokens_per_s_rounds"] == [8.0, 4.0, 2.0]
+    assert vanilla["output_tokens_per_s"] == 4.0 and vanilla["rounds_agree"]
+    # The machine slowed down over the rounds; the method was 2x, 1x and 4x vanilla in its own round.
+    ours = summarize([a_round(0.5, outputs, draft=0.1), a_round(2.0, outputs), a_round(1.0, [[1, 2, 3, 5]] * 2)], 1)
+    assert not ours["rounds_agree"]  # round 3 drifted: greedy outputs should never change
+    results = {"vanilla": {"1": vanilla}, "ours": {"1": ours}}
+    compare_with_vanilla(results)
+    assert results["ours"]["1"]["speedup_over_vanilla"] == 2.0  # median of 2, 1, 4
+    assert results["ours"]["1"]["speedup_range"] == [1.0, 4.0]
+    assert results["ours"]["1"]["mismatches"] == [0, 0]  # against vanilla's first round
+    assert ours["draft_time_fraction"] == pytest.approx(0.1 / (0.75 * 3.5))
+    assert report.speed_cell(results["ours"]["1"], 1) == "4 (2.00x, 1.00–4.00 ≈)"
+
+
+def test_step_breakdown_splits_the_draft_step():
+    timers = {"execute": 5.0, "target_forward": 4.0, "sample": 3.0, "sampling": 0.5, "draft": 2.0,
+              "draft_batch": 0.1, "attention_metadata": 0.2, "augmenting_block": 0.3, "heads_chain": 1.0,
+              "head_logits": 0.4, "head_rows": 0.1, "sample_calls": 10, "draft_calls": 10}
+    parts = step_breakdown(timers, wall_seconds=10.0)
+    assert parts["wall"] == 1.0 and parts["runner"] == 0.8 and parts["outside_runner"] == pytest.approx(0.2)
+    assert parts["execute_other"] == pytest.approx(0.1) and parts["sample_other"] == pytest.approx(0.05)
+    assert parts["draft.heads_chain"] == pytest.approx(0.05)  # the chain less its logits and rows
+    assert parts["draft.other"] == pytest.approx(0.04)  # 2.0 - (0.1 + 0.2 + 0.3 + 1.0), per step
+    assert sum(v for k, v in parts.items() if k.startswith("draft.")) == pytest.approx(parts["draft"])
+
+
 @pytest.mark.parametrize("results_file,section,batches", [
     (RESULTS, "results", [1, 4, 8, 16, 32, 64]),
     (SMOLLM2_RESULTS, "smollm2-results", [1, 4, 16, 64]),
@@ -89,3 +133,25 @@ def test_a_failing_method_is_reported_and_the_run_completes(tmp_path, monkeypatc
     assert set(result["failed"]) == {"clover", "clp"}
     assert "no config.json in heads directory" in result["failed"]["clover"]
     assert json.loads(out.read_text())["failed"] == result["failed"]
+
+
+def test_interleaved_rounds_with_profile_in_real_engines(tmp_path, monkeypatch):
+    """vanilla and Clover engines loaded together, two rounds each, with our draft step's parts timed."""
+    from benchmarks import run
+
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # run.main sets it; restored after the test
+    result = run.main(["--methods", "vanilla,clover", "--batch-sizes", "1", "--num-prompts", "2", "--max-tokens", "12",
+                       "--rounds", "2", "--profile", "--enforce-eager", "--out", str(tmp_path / "r.json")],
+                      summary=False)
+    assert result["failed"] == {}
+    clover = result["results"]["clover"]["1"]
+    assert clover["rounds"] == 2 and len(clover["output_tokens_per_s_rounds"]) == 2 and clover["rounds_agree"]
+    assert clover["mismatches"] == [0, 0]
+    low, high = clover["speedup_range"]
+    assert low <= clover["speedup_over_vanilla"] <= high
+    steps = clover["step_seconds"]
+    for part in ("target_forward", "sampling", "draft.augmenting_block", "draft.attention_metadata",
+                 "draft.heads_chain", "draft.head_logits", "draft.head_rows"):
+        assert steps[part] > 0, part
+    assert "draft.augmenting_block" not in result["results"]["vanilla"]["1"]["step_seconds"]
+    assert "Where a step's time goes" in report.markdown(result, tmp_path / "r.json")
