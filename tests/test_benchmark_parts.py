@@ -88,7 +88,7 @@ def test_rounds_give_the_median_speed_and_per_round_ratios():
     assert results["ours"]["1"]["speedup_range"] == [1.0, 4.0]
     assert results["ours"]["1"]["mismatches"] == [0, 0]  # against vanilla's first round
     assert ours["draft_time_fraction"] == pytest.approx(0.1 / (0.75 * 3.5))
-    assert report.speed_cell(results["ours"]["1"], 1) == "4 (2.00x, 1.00–4.00 ≈)"
+    assert report.speed_cell(results["ours"]["1"], 1) == "8 (2.00x, 1.00–4.00 ≈)"  # rates 16, 4, 8
 
 
 def test_step_breakdown_splits_the_draft_step():
