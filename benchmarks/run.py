@@ -33,7 +33,7 @@ from pathlib import Path
 
 from vllm_clover.atomic import atomic_write_text
 from vllm_clover.methods import SERVING_NAMES, TABLE
-from vllm_clover.spec_metrics import counters_plus, counters_since, mean_acceptance_length, spec_decode_counters
+from vllm_clover.spec_metrics import counters_plus, counters_since, mean_acceptance_length, own_spec_decode_counters
 from vllm_clover_training.data import DataError, iter_jsonl, parse_record
 
 REPO = Path(__file__).resolve().parents[1]
@@ -230,7 +230,13 @@ def token_mismatches(ours: list[list[int]], reference: list[list[int]]) -> list[
 
 # ---- engines, measured in interleaved rounds ----
 
-def start_engine(method: str, args, prompts: list):
+@dataclass
+class Engine:
+    llm: object
+    spec_counters: object  # () -> this engine's spec-decode counters (spec_metrics.own_spec_decode_counters)
+
+
+def start_engine(method: str, args, prompts: list) -> Engine:
     """One method's engine, warmed up and with step timers installed."""
     from vllm import LLM, SamplingParams
 
@@ -243,10 +249,10 @@ def start_engine(method: str, args, prompts: list):
         warm_up = SamplingParams(temperature=args.temperature, max_tokens=min(16, args.max_tokens), ignore_eos=True)
         llm.generate(prompts[: max(args.batch_sizes)], warm_up, use_tqdm=False)
         llm.collective_rpc(install_step_timers, args=(args.profile,))
+        return Engine(llm, own_spec_decode_counters(llm, args.k))
     except BaseException:
         shutdown(llm)
         raise
-    return llm
 
 
 def shutdown(llm) -> None:
@@ -279,7 +285,7 @@ def run_interleaved(args, prompts: list, categories: list[str] | None, progress)
                 for method in (m for m in order if m not in failed):
                     progress.set_postfix(batch=batch_size, round=r + 1, method=method)
                     try:
-                        measured = measure(engines[method], prompts[:n], batch_size, params, args.k,
+                        measured = measure(engines[method], prompts[:n], batch_size, params,
                                            categories and categories[:n])
                     except Exception as e:
                         failed[method] = report_failure(method, e)
@@ -290,8 +296,8 @@ def run_interleaved(args, prompts: list, categories: list[str] | None, progress)
                    for method, by_batch in rounds.items() if method not in failed}
         return results, failed
     finally:
-        for llm in engines.values():
-            shutdown(llm)
+        for engine in engines.values():
+            shutdown(engine.llm)
 
 
 def report_failure(method: str, error: Exception) -> str:
@@ -300,17 +306,18 @@ def report_failure(method: str, error: Exception) -> str:
     return text
 
 
-def measure(llm, prompts: list, batch_size: int, params, k: int, categories: list[str] | None = None) -> dict:
+def measure(engine: Engine, prompts: list, batch_size: int, params, categories: list[str] | None = None) -> dict:
     """One round: waves of `batch_size` requests -> outputs, seconds, the engine's step
     timers and spec-decode counters. With `categories` at batch 1, the same round is also
     split by category: acceptance differs a lot between tasks, and the engine's counters
     only split when no wave mixes categories."""
     split = categories is not None and batch_size == 1
+    llm, counters = engine.llm, engine.spec_counters
     llm.collective_rpc(read_step_timers)  # reset
-    first = spec_decode_counters(llm, k)
+    first = counters()
     outputs, seconds, by_category = [], 0.0, {}
     for i in range(0, len(prompts), batch_size):
-        before = spec_decode_counters(llm, k) if split else None
+        before = counters() if split else None
         start = time.perf_counter()
         wave = llm.generate(prompts[i:i + batch_size], params, use_tqdm=False)
         wave_seconds = time.perf_counter() - start
@@ -322,9 +329,9 @@ def measure(llm, prompts: list, batch_size: int, params, k: int, categories: lis
             part["seconds"] += wave_seconds
             part["output_tokens"] += len(outputs[-1])
             part["spec_decode"] = counters_plus(part.get("spec_decode"),
-                                                counters_since(before, spec_decode_counters(llm, k)))
+                                                counters_since(before, counters()))
     return {"outputs": outputs, "seconds": seconds, "timers": llm.collective_rpc(read_step_timers)[0],
-            "spec_decode": counters_since(first, spec_decode_counters(llm, k)), "by_category": by_category}
+            "spec_decode": counters_since(first, counters()), "by_category": by_category}
 
 
 def summarize(rounds: list[dict], batch_size: int) -> dict:

@@ -136,19 +136,23 @@ def test_a_failing_method_is_reported_and_the_run_completes(tmp_path, monkeypatc
 
 
 def test_interleaved_rounds_with_profile_in_real_engines(tmp_path, monkeypatch):
-    """vanilla and Clover engines loaded together, two rounds each, with our draft step's parts timed."""
+    """Three engines loaded together, two rounds each, with our draft step's parts timed."""
     from benchmarks import run
 
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # run.main sets it; restored after the test
-    result = run.main(["--methods", "vanilla,clover", "--batch-sizes", "1", "--num-prompts", "2", "--max-tokens", "12",
-                       "--rounds", "2", "--profile", "--enforce-eager", "--out", str(tmp_path / "r.json")],
-                      summary=False)
+    result = run.main(["--methods", "vanilla,clover,medusa", "--batch-sizes", "1", "--num-prompts", "2",
+                       "--max-tokens", "12", "--rounds", "2", "--profile", "--enforce-eager",
+                       "--out", str(tmp_path / "r.json")], summary=False)
     assert result["failed"] == {}
-    clover = result["results"]["clover"]["1"]
+    clover, medusa = result["results"]["clover"]["1"], result["results"]["medusa"]["1"]
     assert clover["rounds"] == 2 and len(clover["output_tokens_per_s_rounds"]) == 2 and clover["rounds_agree"]
-    assert clover["mismatches"] == [0, 0]
+    assert clover["mismatches"] == [0, 0] and medusa["mismatches"] == [0, 0]
     low, high = clover["speedup_range"]
     assert low <= clover["speedup_over_vanilla"] <= high
+    # Each engine's own counters: vLLM's process-wide metrics would report only the newest engine.
+    for r in (clover, medusa):
+        assert r["spec_decode"]["drafts"] > 0 and r["mean_acceptance_length"] > 1.2
+    assert clover["spec_decode"] != medusa["spec_decode"]
     steps = clover["step_seconds"]
     for part in ("target_forward", "sampling", "draft.augmenting_block", "draft.attention_metadata",
                  "draft.heads_chain", "draft.head_logits", "draft.head_rows"):
