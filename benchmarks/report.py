@@ -2,6 +2,8 @@
 
     python -m benchmarks.report benchmarks/results/results.json --readme README.md
     python -m benchmarks.report benchmarks/results/smollm2/results.json --readme README.md --section smollm2-results
+    python -m benchmarks.report benchmarks/results/profile/demo-after.json --readme README.md \\
+        --section profile-demo-after --brief
 
 Writes between the `<!-- SECTION:start -->` and `<!-- SECTION:end -->` lines of the README
 (or prints the Markdown without --readme). Heads with a table of per-head accuracies
@@ -37,7 +39,9 @@ def grid(results: dict, cell, methods=None) -> str:
     return "\n".join(lines)
 
 
-def markdown(report: dict, results_file: Path) -> str:
+def markdown(report: dict, results_file: Path, brief: bool = False) -> str:
+    """The section's Markdown; `brief`: tables of speed, acceptance, draft share and the step
+    breakdown only (no per-task or per-head tables, no plots), for profiling runs."""
     results = report["results"]
     spec = [m for m in results if m != "vanilla"]
     machine, versions = report["machine"], report["versions"]
@@ -72,6 +76,8 @@ def markdown(report: dict, results_file: Path) -> str:
         parts.append(f"**{method} quality:** {100 * equal:.1f}% of outputs equal to vanilla's; repetition ratio "
                      f"{rep:.3f} vs vanilla's {rep_vanilla:.3f} (share of 4-grams already seen in the same output).")
     parts += step_table(results, report["settings"]["batch_sizes"])
+    if brief:
+        return "\n\n".join(parts)
     if any("by_category" in r.get("1", {}) for r in results.values()):
         parts += category_tables(results)
     heads = bundled_heads(report)
@@ -161,8 +167,10 @@ def main() -> None:
     parser.add_argument("results", type=Path)
     parser.add_argument("--readme", type=Path)
     parser.add_argument("--section", default="results", help="the README markers' name")
+    parser.add_argument("--brief", action="store_true",
+                        help="speed, acceptance, draft share and step breakdown only (profiling runs)")
     args = parser.parse_args()
-    text = markdown(json.loads(args.results.read_text()), args.results)
+    text = markdown(json.loads(args.results.read_text()), args.results, args.brief)
     if args.readme is None:
         print(text)
         return
