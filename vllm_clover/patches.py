@@ -1,6 +1,6 @@
 """Every change vllm-clover makes to vLLM internals, in one table.
 
-vLLM 0.32 has no proposer registry, so the plugin wraps three private methods, and it
+vLLM 0.32 has no proposer registry, so the plugin wraps four private methods, and it
 works around two vLLM bugs. Each change is a no-op for anything that is not ours:
 other methods, models and checkpoints run exactly as without the plugin. All were
 written against vLLM 0.32 (`version.SUPPORTED_VLLM`, checked before any is applied), and
@@ -19,6 +19,11 @@ last by the runner hook, in a CPU worker that drafts with one of our models.
       state and its own KV cache; CLP returns a length per request. Route our draft models
       to proposer.propose; everything else goes to vLLM's code. The hook also owns the
       trust flag (below) and the CPU fix (last entry), so both touch only our engines.
+  warm_up_draft_model       GPUModelRunner.profile_run  (CPUModelRunner's compile warm-up runs it)
+      vLLM 0.32's runner never calls MedusaProposer.dummy_run, so a medusa-carried draft
+      model first runs on the first request. After the runner's own profile run, make that
+      dummy call for our models: a compiled augmenting block compiles at start-up, as the
+      target does, instead of stalling the first request.
   trust_clp_drafts          RejectionSampler.forward
       CLP's paper mode accepts the predicted span without verification. For a runner
       serving "clp-trust", make the target's verification distribution at each draft
@@ -157,6 +162,17 @@ def _prepare_runner(runner, model) -> None:
             patch.apply()
 
 
+def _warm_up_draft_model(original):
+    def profile_run(self, randomize_inputs=False):
+        from vllm_clover.vllm_models import HeadsDraftModel
+
+        original(self, randomize_inputs)
+        if isinstance(getattr(getattr(self, "drafter", None), "model", None), HeadsDraftModel):
+            self.drafter.dummy_run(self.max_num_tokens)
+
+    return profile_run
+
+
 def _trust_clp_drafts(original):
     def forward(self, metadata, draft_probs, logits, sampling_metadata):
         if getattr(self, TRUST_DRAFTS_ATTR, False):
@@ -201,6 +217,8 @@ PATCHES = (
           ("self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
            "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata", "common_attn_metadata",
            "slot_mappings"), _draft_with_clover_heads),
+    Patch("warm_up_draft_model", "vllm.v1.worker.gpu_model_runner:GPUModelRunner.profile_run",
+          ("self", "randomize_inputs"), _warm_up_draft_model),
     Patch("trust_clp_drafts", "vllm.v1.sample.rejection_sampler:RejectionSampler.forward",
           ("self", "metadata", "draft_probs", "logits", "sampling_metadata"), _trust_clp_drafts),
     Patch("medusa_token_map", "vllm.model_executor.models.medusa:Medusa.load_weights",
@@ -218,6 +236,7 @@ RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 RUNNER_READS = (
     (RUNNER, "_get_positions"), (RUNNER, "attn_groups"), (RUNNER, "rejection_sampler"), (RUNNER, "drafter"),
     (RUNNER, "get_model"), (RUNNER, "vllm_config"), (RUNNER, "_draft_probs"), (RUNNER, "_draft_prob_req_ids"),
+    (RUNNER, "max_num_tokens"), ("vllm.v1.spec_decode.medusa:MedusaProposer", "dummy_run"),
     ("vllm.v1.worker.utils:AttentionGroup", "layer_names"), ("vllm.v1.worker.utils:AttentionGroup", "build_metadata"),
     ("vllm.v1.attention.backend:CommonAttentionMetadata", "query_start_loc_cpu"),
     ("vllm.v1.attention.backend:CommonAttentionMetadata", "num_actual_tokens"),

@@ -11,9 +11,10 @@ vLLM-free heads module (clover.py, clp.py) as it is; this file only adapts it to
   lives in the target's KV group (same block tables, prefix cache and preemption). Its
   name holds one integer, the index after the target's last layer, as vLLM's KV binding
   requires. The heads module is built without its own copy of the block.
-- The base's LM head is used through `VllmLmHead`, never copied: its rows come from the
-  vocab-sharded weight (all-reduced under TP) and logits from the target's
-  `compute_logits` (all-gathered), so every rank drafts the same tokens.
+- The base's LM head is used, never copied: on one rank as the dense matrix it is, under
+  TP through `VllmLmHead`, whose rows come from the vocab-sharded weight (all-reduced) and
+  logits from the target's `compute_logits` (all-gathered), so every rank drafts the same
+  tokens.
 
 The runner hook (proposer.py) calls `propose`, not `forward`.
 """
@@ -25,14 +26,16 @@ from typing import Iterable
 
 import torch
 import torch.nn as nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaModel
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 
 from vllm_clover.checkpoint import WEIGHTS, check_tensors, checkpoint_shapes
 from vllm_clover.draft_batch import DraftBatch
 from vllm_clover.errors import CheckpointError
+from vllm_clover.layers import DenseLmHead, LmHead
 from vllm_clover.methods import BY_NAME
 from vllm_clover.spec_config import ServingOptions, serving_options
 
@@ -40,8 +43,19 @@ from vllm_clover.spec_config import ServingOptions, serving_options
 AUGMENT, AUGMENT_NORM = "augment.", "augment_norm.weight"
 
 
+def target_lm_head(target: nn.Module) -> LmHead:
+    """The target's LM head as the heads draft through it. On one rank with plain weights it
+    is a dense matrix (its first org_vocab_size rows; the rest is padding): one matmul and an
+    argmax, without vLLM's logits processor (a soft cap or scale never moves the argmax) or
+    the vocab-parallel masking of its embedding lookup. Otherwise `VllmLmHead`."""
+    head = target.lm_head
+    if head.tp_size == 1 and isinstance(head.quant_method, UnquantizedEmbeddingMethod):
+        return DenseLmHead(head.weight[: head.org_vocab_size])
+    return VllmLmHead(target)
+
+
 class VllmLmHead:
-    """The target's LM head behind the `LmHead` interface of layers.py."""
+    """The target's vocab-sharded (or quantised) LM head behind the `LmHead` interface of layers.py."""
 
     def __init__(self, target: nn.Module):
         self.target = target
@@ -56,6 +70,27 @@ class VllmLmHead:
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits(hidden).argmax(-1)
+
+
+@support_torch_compile
+class AugmentingBlock(nn.Module):
+    """Clover's augmenting block as vLLM runs it: vLLM's Llama decoder layer in the target's
+    shape, then a norm. vLLM compiles it as it compiles the target (torch.compile, split
+    around the attention op, dynamic in the number of tokens) unless the engine runs eager;
+    eager, the one layer cost half the target's five compiled layers on the demo base."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__()
+        target = vllm_config.model_config.hf_config
+        # One integer in the layer's name, the index after the target's last layer: vLLM's
+        # KV-cache binding parses it.
+        self.layer = LlamaDecoderLayer(vllm_config, prefix=maybe_prefix(prefix, f"layers.{target.num_hidden_layers}"),
+                                       config=target)
+        self.norm = RMSNorm(target.hidden_size, eps=target.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        out, residual = self.layer(positions, hidden_states, None)
+        return self.norm(out, residual)[0]
 
 
 class HeadsDraftModel(nn.Module):
@@ -76,25 +111,24 @@ class HeadsDraftModel(nn.Module):
         self.with_augmenting_block = self.method.has_augmenting_block(hyper)
         if self.with_augmenting_block:
             hyper = {**hyper, self.method.augmenting_kv: False}
-            target = vllm_config.model_config.hf_config
-            index = target.num_hidden_layers
-            self.augment = LlamaDecoderLayer(vllm_config, prefix=maybe_prefix(prefix, f"clover.layers.{index}"),
-                                             config=target)
-            self.augment_norm = RMSNorm(target.hidden_size, eps=target.rms_norm_eps)
+            self.augment = AugmentingBlock(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "clover"))
         self.heads = self.method.heads.from_checkpoint({**config, "vllm_clover": {**ours, "hyper": hyper}})
         # Attention layers that need this step's metadata and KV slots while drafting.
         self.kv_layer_names: tuple[str, ...] = (
-            (self.augment.self_attn.attn.layer_name,) if self.with_augmenting_block else ())
+            (self.augment.layer.self_attn.attn.layer_name,) if self.with_augmenting_block else ())
         self._target: list[nn.Module] = []  # a list, so the target is not a submodule of ours
 
     def bind_target(self, target: nn.Module) -> None:
         if not self._target:
             self._target.append(target)
-            self.lm_head = self.heads.output_head(VllmLmHead(target))  # a draft vocabulary's rows: once
+            self.lm_head = self.heads.output_head(target_lm_head(target))  # a draft vocabulary's rows: once
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Only MedusaProposer.dummy_run calls this (memory profiling); drafting is `propose`."""
-        return hidden_states
+        """MedusaProposer.dummy_run's call (patch warm_up_draft_model makes it at start-up):
+        a dummy pass through the augmenting block, so a compiled block compiles then and its
+        activations count in memory profiling. Drafting is `propose`."""
+        positions = torch.zeros(hidden_states.shape[0], dtype=torch.long, device=hidden_states.device)
+        return self.augmented(hidden_states, positions)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         tensors = dict(weights)
@@ -104,10 +138,10 @@ class HeadsDraftModel(nn.Module):
         if self.with_augmenting_block:
             # HF names (q_proj, k_proj, ...) -> vLLM's fused qkv_proj / gate_up_proj shards.
             layer = ((k.removeprefix(AUGMENT), v) for k, v in tensors.items() if k.startswith(AUGMENT))
-            done = AutoWeightsLoader(self.augment).load_weights(layer, mapper=LlamaModel.hf_to_vllm_mapper)
-            loaded |= {AUGMENT + name for name in done}
-            self.augment_norm.weight.data.copy_(tensors[AUGMENT_NORM])
-            loaded.add(AUGMENT_NORM)
+            done = AutoWeightsLoader(self.augment.layer).load_weights(layer, mapper=LlamaModel.hf_to_vllm_mapper)
+            loaded |= {f"augment.layer.{name}" for name in done}
+            self.augment.norm.weight.data.copy_(tensors[AUGMENT_NORM])
+            loaded.add("augment.norm.weight")
         missing = {name for name, _ in self.named_parameters()} - loaded
         if missing:
             raise CheckpointError(f"{self.heads_dir / WEIGHTS} left parameters unset: {sorted(missing)[:5]}")
@@ -117,8 +151,7 @@ class HeadsDraftModel(nn.Module):
         """h_0 at every scheduled token; also writes the block's KV for later steps."""
         if not self.with_augmenting_block:
             return hidden_states
-        out, residual = self.augment(positions, hidden_states, None)
-        return self.augment_norm(out, residual)[0]
+        return self.augment(positions, hidden_states)
 
     def propose(self, batch: DraftBatch) -> list[list[int]]:
         # Every scheduled token goes through the augmenting block, drafting or not (prefill
