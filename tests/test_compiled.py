@@ -16,10 +16,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 
 
 def graphs_compiled(worker) -> int:
-    """Runs in the worker: graphs vLLM's compiler has built in this process so far."""
-    from vllm.compilation.counter import compilation_counter
+    """Runs in the worker: graphs torch.compile (Dynamo) has captured in this process so far."""
+    from torch._dynamo.utils import counters
 
-    return compilation_counter.num_graphs_seen
+    return counters["stats"]["unique_graphs"]
 
 
 def block_is_compiled(worker) -> bool:

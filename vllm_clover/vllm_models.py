@@ -72,7 +72,7 @@ class VllmLmHead:
         return self.logits(hidden).argmax(-1)
 
 
-@support_torch_compile
+@support_torch_compile(dynamic_arg_dims={"positions": 0, "hidden_states": 0})  # the number of tokens
 class AugmentingBlock(nn.Module):
     """Clover's augmenting block as vLLM runs it: vLLM's Llama decoder layer in the target's
     shape, then a norm. vLLM compiles it as it compiles the target (torch.compile, split
