@@ -105,3 +105,14 @@ def test_parameters_read_per_step_on_smollm2_shapes():
     assert clp.parameters_read_per_step(hidden, vocab) == mlps + 4 * 8192 * hidden
     assert medusa.parameters_read_per_step(hidden, vocab) == clp.parameters_read_per_step(hidden, vocab) - (
         clp.length.weight.numel() + clp.length.bias.numel())
+
+
+def test_a_draft_vocabulary_can_be_scored_in_bfloat16():
+    """Serving scores the draft vocabulary in bf16 on CPUs with native bf16 (vllm_models.draft_scoring_dtype)."""
+    torch.manual_seed(0)
+    lm_head, vocab = torch.randn(V, H), torch.tensor([3, 5, 7, 11])
+    exact, half = (DraftVocabHead(DenseLmHead(lm_head), vocab, dtype) for dtype in (None, torch.bfloat16))
+    assert half.weight.dtype == torch.bfloat16 and exact.weight.dtype == torch.float32
+    hidden = 4 * lm_head[vocab]  # each row scores its own token far above the others
+    assert torch.equal(half.greedy(hidden), vocab) and torch.equal(exact.greedy(hidden), vocab)
+    assert torch.equal(half.rows(vocab), lm_head[vocab])  # regressive inputs stay exact

@@ -51,16 +51,19 @@ class DraftVocabHead:
     LM head, not V. Drafts can only be those N tokens; verification still scores the full
     vocabulary, so outputs are unchanged, and only drafts outside it are lost."""
 
-    def __init__(self, lm_head: LmHead, draft_vocab: torch.Tensor):
+    def __init__(self, lm_head: LmHead, draft_vocab: torch.Tensor, scoring_dtype: torch.dtype | None = None):
+        """`scoring_dtype`: the dtype of the gathered rows and of the scoring matmul (default:
+        the LM head's). At small batches a draft step is bound by reading these rows, so half
+        the bytes is nearly half the time; drafts are only proposals, so outputs never change."""
         self.full, self.draft_vocab = lm_head, draft_vocab
-        self.weight = lm_head.rows(draft_vocab)  # [N, H], gathered once
+        self.weight = lm_head.rows(draft_vocab).to(scoring_dtype)  # [N, H], gathered once
 
     def rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.full.rows(token_ids)  # the regressive input of any token, drafted or sampled
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., N], in draft-vocabulary order."""
-        return hidden @ self.weight.T
+        return hidden.to(self.weight.dtype) @ self.weight.T
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.draft_vocab[self.logits(hidden).argmax(-1)]
@@ -92,9 +95,12 @@ class DraftVocabulary:
         """LM-head rows each drafting head reads: N with a draft vocabulary, else V."""
         return vocab_size if self.draft_vocab is None else len(self.draft_vocab)
 
-    def output_head(self, lm_head: LmHead) -> LmHead:
-        """Serving: the LM head the heads draft through (build once, it gathers N rows)."""
-        return lm_head if self.draft_vocab is None else DraftVocabHead(lm_head, self.draft_vocab)
+    def output_head(self, lm_head: LmHead, scoring_dtype: torch.dtype | None = None) -> LmHead:
+        """Serving: the LM head the heads draft through (build once, it gathers N rows, kept
+        in `scoring_dtype` if given)."""
+        if self.draft_vocab is None:
+            return lm_head
+        return DraftVocabHead(lm_head, self.draft_vocab, scoring_dtype)
 
 
 def draft_vocab_labels(token_ids: torch.Tensor, draft_vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:

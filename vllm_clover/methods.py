@@ -70,9 +70,10 @@ class DraftHeads(Protocol):
         """Weights one draft step reads, the base's LM-head rows it scores included: what bounds
         a draft step at small batches, to compare with the target's own parameters."""
 
-    def output_head(self, lm_head: LmHead) -> LmHead:
+    def output_head(self, lm_head: LmHead, scoring_dtype: torch.dtype | None = None) -> LmHead:
         """Serving (plugin-served methods only): the LM head to draft through, built once from
-        the base's (a draft-vocabulary view of it, or the head itself)."""
+        the base's (a draft-vocabulary view of it, its rows in `scoring_dtype` if given, or
+        the head itself)."""
 
     def propose(self, h: torch.Tensor, next_token: torch.Tensor, lm_head: LmHead,
                 budgets: list[int]) -> list[list[int]]:

@@ -31,6 +31,7 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaModel
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
+from vllm.platforms import current_platform
 
 from vllm_clover.checkpoint import WEIGHTS, check_tensors, checkpoint_shapes
 from vllm_clover.draft_batch import DraftBatch
@@ -52,6 +53,16 @@ def target_lm_head(target: nn.Module) -> LmHead:
     if head.tp_size == 1 and isinstance(head.quant_method, UnquantizedEmbeddingMethod):
         return DenseLmHead(head.weight[: head.org_vocab_size])
     return VllmLmHead(target)
+
+
+def draft_scoring_dtype(target_dtype: torch.dtype) -> torch.dtype | None:
+    """bfloat16 for an fp32 target on a CPU with native bf16 matmuls (AVX512-BF16 / AMX), else
+    None (the LM head's own dtype). Measured on SmolLM2 (fp32, one worker core): scoring the
+    8k-row draft vocabulary four times a step read 4 x 19 MB and took 7.1 of Clover's 12.8 ms
+    draft step; bf16 halves the bytes. Without native bf16 the matmul would be emulated."""
+    if target_dtype == torch.float32 and current_platform.is_cpu() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return None
 
 
 class VllmLmHead:
@@ -117,11 +128,13 @@ class HeadsDraftModel(nn.Module):
         self.kv_layer_names: tuple[str, ...] = (
             (self.augment.layer.self_attn.attn.layer_name,) if self.with_augmenting_block else ())
         self._target: list[nn.Module] = []  # a list, so the target is not a submodule of ours
+        self.target_dtype = vllm_config.model_config.dtype
 
     def bind_target(self, target: nn.Module) -> None:
         if not self._target:
             self._target.append(target)
-            self.lm_head = self.heads.output_head(target_lm_head(target))  # a draft vocabulary's rows: once
+            # A draft vocabulary's rows are gathered once, here.
+            self.lm_head = self.heads.output_head(target_lm_head(target), draft_scoring_dtype(self.target_dtype))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """MedusaProposer.dummy_run's call (patch warm_up_draft_model makes it at start-up):
