@@ -123,6 +123,17 @@ def test_report_and_plots_from_the_committed_results(results_file, section, batc
     assert all(p.stat().st_size > 10_000 for p in paths)
 
 
+@pytest.mark.parametrize("name", ["demo-before", "demo-after", "smollm2-before", "smollm2-after"])
+def test_profile_sections_match_the_committed_profiles(name):
+    results_file = REPO / "benchmarks" / "results" / "profile" / f"{name}.json"
+    text = report.markdown(json.loads(results_file.read_text()), results_file.relative_to(REPO), brief=True)
+    assert "Where a step's time goes" in text
+    start, end = report.markers(f"profile-{name}")
+    assert f"{start}\n{text}\n{end}" in (REPO / "README.md").read_text(), (
+        f"README section profile-{name} is stale: rerun python -m benchmarks.report "
+        f"{results_file.relative_to(REPO)} --readme README.md --section profile-{name} --brief")
+
+
 def test_a_failing_method_is_reported_and_the_run_completes(tmp_path, monkeypatch):
     from benchmarks import run
 

@@ -107,12 +107,18 @@ def test_parameters_read_per_step_on_smollm2_shapes():
         clp.length.weight.numel() + clp.length.bias.numel())
 
 
-def test_a_draft_vocabulary_can_be_scored_in_bfloat16():
-    """Serving scores the draft vocabulary in bf16 on CPUs with native bf16 (vllm_models.draft_scoring_dtype)."""
+def test_a_draft_vocabulary_can_be_scored_by_another_kernel():
+    """Serving hands DraftVocabHead a scorer over its rows (vllm_models.cpu_draft_vocab_scorer:
+    vLLM's prepacked oneDNN GEMM, bf16 for fp32 targets); here a bf16 matmul."""
     torch.manual_seed(0)
     lm_head, vocab = torch.randn(V, H), torch.tensor([3, 5, 7, 11])
-    exact, half = (DraftVocabHead(DenseLmHead(lm_head), vocab, dtype) for dtype in (None, torch.bfloat16))
-    assert half.weight.dtype == torch.bfloat16 and exact.weight.dtype == torch.float32
+
+    def bf16_scorer(rows):
+        packed = rows.to(torch.bfloat16)
+        return lambda hidden: hidden.to(torch.bfloat16) @ packed.T
+
+    exact, half = DraftVocabHead(DenseLmHead(lm_head), vocab), DraftVocabHead(DenseLmHead(lm_head), vocab, bf16_scorer)
     hidden = 4 * lm_head[vocab]  # each row scores its own token far above the others
+    assert half.logits(hidden).dtype == torch.bfloat16 and exact.logits(hidden).dtype == torch.float32
     assert torch.equal(half.greedy(hidden), vocab) and torch.equal(exact.greedy(hidden), vocab)
     assert torch.equal(half.rows(vocab), lm_head[vocab])  # regressive inputs stay exact

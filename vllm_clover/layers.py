@@ -45,25 +45,35 @@ class DenseLmHead:
         return self.logits(hidden).argmax(-1)
 
 
+# rows [N, H] -> (hidden [..., H] -> scores [..., N])
+MakeScorer = Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
+
+
+def dense_scorer(rows: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda hidden: hidden @ rows.T
+
+
 class DraftVocabHead:
     """The LM head restricted to a draft vocabulary (FR-Spec, EAGLE-3's `d2t`): heads score
     only its N most frequent tokens instead of all V, so each draft step reads N rows of the
     LM head, not V. Drafts can only be those N tokens; verification still scores the full
     vocabulary, so outputs are unchanged, and only drafts outside it are lost."""
 
-    def __init__(self, lm_head: LmHead, draft_vocab: torch.Tensor, scoring_dtype: torch.dtype | None = None):
-        """`scoring_dtype`: the dtype of the gathered rows and of the scoring matmul (default:
-        the LM head's). At small batches a draft step is bound by reading these rows, so half
-        the bytes is nearly half the time; drafts are only proposals, so outputs never change."""
+    def __init__(self, lm_head: LmHead, draft_vocab: torch.Tensor, make_scorer: MakeScorer | None = None):
+        """`make_scorer(rows)` -> the function that scores hidden states against those N rows;
+        by default a plain matmul. Serving may pack the rows for a faster kernel or a smaller
+        dtype: at small batches a draft step is bound by reading them, and drafts are only
+        proposals, so outputs never change."""
         self.full, self.draft_vocab = lm_head, draft_vocab
-        self.weight = lm_head.rows(draft_vocab).to(scoring_dtype)  # [N, H], gathered once
+        self.weight = lm_head.rows(draft_vocab)  # [N, H], gathered once
+        self.score = (make_scorer or dense_scorer)(self.weight)
 
     def rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.full.rows(token_ids)  # the regressive input of any token, drafted or sampled
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., N], in draft-vocabulary order."""
-        return hidden.to(self.weight.dtype) @ self.weight.T
+        return self.score(hidden)
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.draft_vocab[self.logits(hidden).argmax(-1)]
@@ -95,12 +105,12 @@ class DraftVocabulary:
         """LM-head rows each drafting head reads: N with a draft vocabulary, else V."""
         return vocab_size if self.draft_vocab is None else len(self.draft_vocab)
 
-    def output_head(self, lm_head: LmHead, scoring_dtype: torch.dtype | None = None) -> LmHead:
-        """Serving: the LM head the heads draft through (build once, it gathers N rows, kept
-        in `scoring_dtype` if given)."""
+    def output_head(self, lm_head: LmHead, make_scorer: MakeScorer | None = None) -> LmHead:
+        """Serving: the LM head the heads draft through (build once, it gathers N rows and
+        hands them to `make_scorer`, see DraftVocabHead)."""
         if self.draft_vocab is None:
             return lm_head
-        return DraftVocabHead(lm_head, self.draft_vocab, scoring_dtype)
+        return DraftVocabHead(lm_head, self.draft_vocab, make_scorer)
 
 
 def draft_vocab_labels(token_ids: torch.Tensor, draft_vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from vllm_clover.clover import CloverHeads
 from vllm_clover.clp import ClpHeads
 from vllm_clover.errors import CheckpointError, SpecConfigError
-from vllm_clover.layers import LmHead
+from vllm_clover.layers import LmHead, MakeScorer
 from vllm_clover.medusa import MedusaHeads
 
 # What every heads module's forward returns in training: per draft head i (1-based), logits
@@ -70,9 +70,9 @@ class DraftHeads(Protocol):
         """Weights one draft step reads, the base's LM-head rows it scores included: what bounds
         a draft step at small batches, to compare with the target's own parameters."""
 
-    def output_head(self, lm_head: LmHead, scoring_dtype: torch.dtype | None = None) -> LmHead:
+    def output_head(self, lm_head: LmHead, make_scorer: MakeScorer | None = None) -> LmHead:
         """Serving (plugin-served methods only): the LM head to draft through, built once from
-        the base's (a draft-vocabulary view of it, its rows in `scoring_dtype` if given, or
+        the base's (a draft-vocabulary view of it, scored by `make_scorer(rows)` if given, or
         the head itself)."""
 
     def propose(self, h: torch.Tensor, next_token: torch.Tensor, lm_head: LmHead,
