@@ -51,9 +51,9 @@ def spreads(results: dict) -> dict[str, list[tuple[float, float]]]:
     for method, by_batch in results.items():
         points = sorted((int(b), r) for b, r in by_batch.items() if "speedup_over_vanilla" in r)
         if points:
-            bars[method] = [(r["speedup_over_vanilla"] - r.get("speedup_range", [r["speedup_over_vanilla"]])[0],
-                             r.get("speedup_range", [r["speedup_over_vanilla"]])[-1] - r["speedup_over_vanilla"])
-                            for _, r in points]
+            ranges = [(r["speedup_over_vanilla"], *r.get("speedup_range", [r["speedup_over_vanilla"]] * 2))
+                      for _, r in points]
+            bars[method] = [(median - low, high - median) for median, low, high in ranges]
     return bars
 
 

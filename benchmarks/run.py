@@ -30,6 +30,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from vllm_clover.atomic import atomic_write_text
 from vllm_clover.methods import SERVING_NAMES, TABLE
@@ -190,7 +191,7 @@ def step_breakdown(timers: dict, wall_seconds: float) -> dict:
     """Seconds per engine step by part: the runner's parts, what of the draft step is not
     one of its named parts, and the engine outside the runner (scheduler, IPC, detokenising)."""
     steps = max(timers["sample_calls"], 1)
-    per_step = {name: timers[name] / steps for name in timers if not name.endswith("_calls") and name != "steps"}
+    per_step = {name: timers[name] / steps for name in timers if not name.endswith("_calls")}
     runner = per_step["execute"] + per_step["sample"]
     breakdown = {"wall": wall_seconds / steps, "runner": runner}
     if "target_forward" in per_step:
@@ -232,8 +233,8 @@ def token_mismatches(ours: list[list[int]], reference: list[list[int]]) -> list[
 
 @dataclass
 class Engine:
-    llm: object
-    spec_counters: object  # () -> this engine's spec-decode counters (spec_metrics.own_spec_decode_counters)
+    llm: Any  # vllm.LLM
+    spec_counters: Callable[[], dict | None]  # this engine's own counters (spec_metrics.own_spec_decode_counters)
 
 
 def start_engine(method: str, args, prompts: list) -> Engine:
@@ -292,7 +293,7 @@ def run_interleaved(args, prompts: list, categories: list[str] | None, progress)
                         continue
                     rounds[method].setdefault(str(batch_size), []).append(measured)
                 progress.update(1)
-        results = {method: {batch: summarize(measured, int(batch)) for batch, measured in by_batch.items()}
+        results = {method: {batch: summarize(measured) for batch, measured in by_batch.items()}
                    for method, by_batch in rounds.items() if method not in failed}
         return results, failed
     finally:
@@ -334,11 +335,13 @@ def measure(engine: Engine, prompts: list, batch_size: int, params, categories: 
             "spec_decode": counters_since(first, counters()), "by_category": by_category}
 
 
-def summarize(rounds: list[dict], batch_size: int) -> dict:
+def summarize(rounds: list[dict]) -> dict:
     """One method at one batch size over its rounds: the median round's speed, each round's
     speed (for the spread), and counters and timers summed over rounds."""
     outputs = rounds[0]["outputs"]
-    rates = [sum(map(len, r["outputs"])) / r["seconds"] for r in rounds]
+    tokens = [sum(map(len, r["outputs"])) for r in rounds]
+    rates = [n / r["seconds"] for n, r in zip(tokens, rounds)]
+    median_seconds = statistics.median(r["seconds"] for r in rounds)
     timers = {name: sum(r["timers"][name] for r in rounds) for name in rounds[0]["timers"]}
     spec = None
     for r in rounds:
@@ -346,13 +349,13 @@ def summarize(rounds: list[dict], batch_size: int) -> dict:
     result = {
         "num_prompts": len(outputs),
         "rounds": len(rounds),
-        "seconds": statistics.median(r["seconds"] for r in rounds),
+        "seconds": median_seconds,
         "output_tokens": sum(map(len, outputs)),
         "output_tokens_per_s": statistics.median(rates),
         "output_tokens_per_s_rounds": rates,
-        "requests_per_s": len(outputs) / statistics.median(r["seconds"] for r in rounds),
+        "requests_per_s": len(outputs) / median_seconds,
         "draft_time_fraction": timers["draft"] / (timers["execute"] + timers["sample"]),
-        "tokens_per_step": sum(sum(map(len, r["outputs"])) for r in rounds) / timers["sample_calls"],
+        "tokens_per_step": sum(tokens) / timers["sample_calls"],  # all requests of the batch together
         "step_seconds": step_breakdown(timers, sum(r["seconds"] for r in rounds)),
         # Greedy decoding is deterministic: rounds that disagree would be a bug worth seeing.
         "rounds_agree": all(r["outputs"] == outputs for r in rounds),
