@@ -47,7 +47,11 @@ HEADS_METHODS = {
     **{name: entry for name, entry in SERVING_NAMES.items() if not entry[1]},
     **{name: entry for name, entry in SERVING_NAMES.items() if entry[1]},
 }
-BENCHMARK_METHODS = (*BASELINES, *HEADS_METHODS)
+# Our verified methods once more with draft_policy "fixed" (always the full budget; CLP's
+# threshold rule), to compare with the default goodput policy in the same run.
+FIXED_POLICY_METHODS = {f"{name}-fixed": name for name, (m, trusted) in HEADS_METHODS.items()
+                        if m.served_by_plugin and not trusted}
+BENCHMARK_METHODS = (*BASELINES, *HEADS_METHODS, *FIXED_POLICY_METHODS)
 
 
 def speculative_config(method: str, heads_dir: Path, k: int) -> dict | None:
@@ -56,6 +60,8 @@ def speculative_config(method: str, heads_dir: Path, k: int) -> dict | None:
         return None
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    if method in FIXED_POLICY_METHODS:
+        return {**speculative_config(FIXED_POLICY_METHODS[method], heads_dir, k), "draft_policy": "fixed"}
     heads = HEADS_METHODS[method][0]
     return {"method": method, "model": str(heads_dir / heads.name), "num_speculative_tokens": k}
 
@@ -142,7 +148,7 @@ PROFILE_DRAFT_PARTS = {"draft_batch": ("proposer", "draft_batch"),
                        "attention_metadata": ("proposer", "draft_attention"),
                        "augmenting_block": ("model", "augmented"),
                        "heads_chain": ("heads", "draft"),
-                       "head_logits": ("lm_head", "greedy"),
+                       "head_logits": ("lm_head", "logits"),
                        "head_rows": ("lm_head", "rows")}
 
 
@@ -178,6 +184,28 @@ def install_step_timers(worker, profile: bool = False):
     owners = {"proposer": proposer, "model": model, "heads": model.heads, "lm_head": model.lm_head}
     for name, (owner, member) in PROFILE_DRAFT_PARTS.items():
         setattr(owners[owner], member, timed(name, getattr(owners[owner], member)))
+
+
+def read_drafting(worker) -> dict | None:
+    """Runs in the worker: our draft model's drafting totals (draft_policy.DraftStats) and
+    its goodput policy's models; None for other methods."""
+    model = getattr(getattr(worker.model_runner, "drafter", None), "model", None)
+    if not hasattr(model, "stats"):
+        return None
+    return {"stats": model.stats.as_dict(), "policy": model.policy.summary() if model.policy else None}
+
+
+def drafting_since(before: dict | None, after: dict | None) -> dict | None:
+    """Per request and step, how many tokens our heads drafted between two readings, and
+    the policy's models at the second."""
+    if after is None:
+        return None
+    grown = counters_since(before["stats"], after["stats"])
+    rows = max(grown["rows"], 1)
+    return {"draft_tokens_per_request_step": grown["drafted"] / rows,
+            "requests_drafting_at_least": [n / rows for n in grown["per_position"]],
+            "steps_without_drafts_fraction": grown["steps_without_drafts"] / max(grown["steps"], 1),
+            "stats": grown, "policy": after["policy"]}
 
 
 def read_step_timers(worker):
@@ -315,7 +343,7 @@ def measure(engine: Engine, prompts: list, batch_size: int, params, categories: 
     split = categories is not None and batch_size == 1
     llm, counters = engine.llm, engine.spec_counters
     llm.collective_rpc(read_step_timers)  # reset
-    first = counters()
+    first, drafting = counters(), llm.collective_rpc(read_drafting)[0]
     outputs, seconds, by_category = [], 0.0, {}
     for i in range(0, len(prompts), batch_size):
         before = counters() if split else None
@@ -332,7 +360,8 @@ def measure(engine: Engine, prompts: list, batch_size: int, params, categories: 
             part["spec_decode"] = counters_plus(part.get("spec_decode"),
                                                 counters_since(before, counters()))
     return {"outputs": outputs, "seconds": seconds, "timers": llm.collective_rpc(read_step_timers)[0],
-            "spec_decode": counters_since(first, counters()), "by_category": by_category}
+            "spec_decode": counters_since(first, counters()), "by_category": by_category,
+            "drafting": drafting_since(drafting, llm.collective_rpc(read_drafting)[0])}
 
 
 def summarize(rounds: list[dict]) -> dict:
@@ -362,6 +391,9 @@ def summarize(rounds: list[dict]) -> dict:
         "outputs": outputs,
         **acceptance(spec),
     }
+    drafted = [r["drafting"] for r in rounds if r["drafting"]]
+    if drafted:  # our heads: what they drafted per request and step (the median round), the policy's models
+        result["drafting"] = sorted(drafted, key=lambda d: d["draft_tokens_per_request_step"])[len(drafted) // 2]
     by_category = {}
     for r in rounds:
         for category, part in r["by_category"].items():

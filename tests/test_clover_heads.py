@@ -126,13 +126,15 @@ def test_draft_chain_matches_teacher_forced_heads_on_its_own_tokens(inputs):
         m.linear.weight.data.normal_(0, 0.1)
     h0 = heads.augmented(h_base[:1], torch.arange(T)[None])[0, -1:]   # last position
     first = torch.tensor([5])
-    drafts = heads.draft(h0, first, DenseLmHead(lm_head), K)
+    drafts, confidence = heads.draft(h0, first, DenseLmHead(lm_head), K)
     # Rebuild the same chain step by step with the training-time step function.
     h, e = h0, token_embeddings(lm_head, first)
     for i in range(K):
         h, out = heads.step(i, h, e)
-        tok = (out @ lm_head.T).argmax(-1)
+        logits = out @ lm_head.T
+        tok = logits.argmax(-1)
         assert tok.item() == drafts[0, i].item()
+        assert confidence[0, i].item() == pytest.approx(logits.softmax(-1).max().item(), rel=1e-5)
         e = token_embeddings(lm_head, tok)
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vllm_clover.draft_policy import GoodputPolicy
 from vllm_clover.layers import (
     DenseLmHead,
     DraftVocabulary,
@@ -243,21 +244,32 @@ class CloverHeads(StateDictCheckpoint, DraftVocabulary, nn.Module):
     # ---- serving: greedy chain from the base's sampled token ----
 
     @torch.no_grad()
-    def draft(self, h0: torch.Tensor, first_token: torch.Tensor, lm_head: LmHead, num_tokens: int) -> torch.Tensor:
+    def draft(self, h0: torch.Tensor, first_token: torch.Tensor, lm_head: LmHead,
+              num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy chain of `num_tokens` drafts per row. h0 [R, H] (augmented), first_token [R]
-        (what the base just sampled) -> [R, num_tokens] token ids. `lm_head` is what the heads
-        draft through: `output_head(the base's LM head)`."""
-        h, token, drafts = h0, first_token, []
+        (what the base just sampled) -> (token ids [R, num_tokens], each one's probability
+        under its head [R, num_tokens]). `lm_head` is what the heads draft through:
+        `output_head(the base's LM head)`."""
+        h, token, drafts, confidence = h0, first_token, [], []
         for i in range(num_tokens):
             h, out = self.step(i, h, rms_normalize(lm_head.rows(token)))
-            token = lm_head.greedy(out)
+            token, probability = lm_head.top1(out)
             drafts.append(token)
-        return torch.stack(drafts, dim=-1)
+            confidence.append(probability)
+        return torch.stack(drafts, dim=-1), torch.stack(confidence, dim=-1)
 
-    def propose(self, h0: torch.Tensor, next_token: torch.Tensor, lm_head: LmHead,
-                budgets: list[int]) -> list[list[int]]:
-        """One chain as long as the largest budget, each row cut to its own."""
-        drafts = self.draft(h0, next_token, lm_head, max(budgets))
+    def propose(self, h0: torch.Tensor, next_token: torch.Tensor, lm_head: LmHead, budgets: list[int],
+                policy: GoodputPolicy | None = None) -> list[list[int]]:
+        """One chain as long as the largest budget, each row cut to its own. A policy first
+        says how deep the chain is worth running (0: not at all), then, from each head's
+        confidence, how many of its drafts each row keeps."""
+        depth = max(budgets) if policy is None else policy.heads_to_run(budgets)
+        if depth == 0:
+            return [[] for _ in budgets]
+        drafts, confidence = self.draft(h0, next_token, lm_head, depth)
+        budgets = [min(n, depth) for n in budgets]
+        if policy is not None:
+            budgets = policy.lengths(confidence.float().cpu().numpy(), budgets)
         return [row[:n] for row, n in zip(drafts.tolist(), budgets)]
 
 

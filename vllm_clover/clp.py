@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from vllm_clover.draft_policy import GoodputPolicy
 from vllm_clover.layers import (
     DraftVocabulary,
     LmHead,
@@ -82,21 +83,31 @@ class ClpHeads(StateDictCheckpoint, DraftVocabulary, nn.Module):
         return torch.stack([lm_head.greedy(mlp(h)) for mlp in mlps], dim=-1)
 
     @torch.no_grad()
-    def propose(self, h: torch.Tensor, next_token: torch.Tensor, lm_head: LmHead,
-                budgets: list[int]) -> list[list[int]]:
+    def propose(self, h: torch.Tensor, next_token: torch.Tensor, lm_head: LmHead, budgets: list[int],
+                policy: GoodputPolicy | None = None) -> list[list[int]]:
         """Each row drafts its predicted length, capped by its budget (the base produced
-        next_token itself; CLP's heads guess only from h)."""
-        lengths = [min(n, budget) for n, budget in zip(self.draft_lengths(h).tolist(), budgets)]
+        next_token itself; CLP's heads guess only from h). Without a policy the length is the
+        threshold rule; a policy weighs the predicted chance of each length against the cost."""
+        if policy is None:
+            lengths = [min(n, budget) for n, budget in zip(self.draft_lengths(h).tolist(), budgets)]
+        else:
+            at_least = at_least_lengths(self.length(h).softmax(-1))       # [R, K+1], P(L* >= 0) = 1
+            conditional = (at_least[:, 1:] / at_least[:, :-1].clamp_min(1e-9)).clamp(max=1)
+            lengths = policy.lengths(conditional.float().cpu().numpy(), budgets, heads_to_run=True)
         if max(lengths) == 0:
             return [[] for _ in lengths]
         drafts = self.draft(h, lm_head, max(lengths))
         return [row[:n] for row, n in zip(drafts.tolist(), lengths)]
 
 
+def at_least_lengths(probs: torch.Tensor) -> torch.Tensor:
+    """probs [..., K+1] over L* -> [..., l] = P(L* >= l)."""
+    return probs.flip(-1).cumsum(-1).flip(-1)
+
+
 def lengths_at_threshold(probs: torch.Tensor, tau: float) -> torch.Tensor:
     """probs [..., K+1] over L* -> the longest l with P(L* >= l) >= tau."""
-    at_least = probs.flip(-1).cumsum(-1).flip(-1)  # [..., l] = P(L* >= l)
-    return (at_least >= tau).sum(-1) - 1
+    return (at_least_lengths(probs) >= tau).sum(-1) - 1
 
 
 def collocation_lengths(head_logits: list[torch.Tensor], label_ids: torch.Tensor) -> torch.Tensor:

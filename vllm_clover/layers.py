@@ -30,6 +30,15 @@ class LmHead(Protocol):
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [...] the token id with the highest logit."""
 
+    def top1(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[..., H] -> (the greedy token ids [...], their softmax probability [...])."""
+
+
+def top1_of(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax, its softmax probability) over the last dim: 1 / sum exp(logit - max)."""
+    best, index = logits.max(-1)
+    return index, torch.exp(best - torch.logsumexp(logits.float(), -1))
+
 
 class DenseLmHead:
     def __init__(self, weight: torch.Tensor):
@@ -43,6 +52,9 @@ class DenseLmHead:
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits(hidden).argmax(-1)
+
+    def top1(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return top1_of(self.logits(hidden))
 
 
 # rows [N, H] -> (hidden [..., H] -> scores [..., N])
@@ -77,6 +89,11 @@ class DraftVocabHead:
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.draft_vocab[self.logits(hidden).argmax(-1)]
+
+    def top1(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The probability is over the draft vocabulary (the policy calibrates it)."""
+        index, probability = top1_of(self.logits(hidden))
+        return self.draft_vocab[index], probability
 
 
 IGNORE = -100  # F.cross_entropy's ignore_index: a label the heads cannot or should not predict

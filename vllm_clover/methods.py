@@ -16,6 +16,7 @@ import torch
 
 from vllm_clover.clover import CloverHeads
 from vllm_clover.clp import ClpHeads
+from vllm_clover.draft_policy import GoodputPolicy
 from vllm_clover.errors import CheckpointError, SpecConfigError
 from vllm_clover.layers import LmHead, MakeScorer
 from vllm_clover.medusa import MedusaHeads
@@ -75,11 +76,12 @@ class DraftHeads(Protocol):
         the base's (a draft-vocabulary view of it, scored by `make_scorer(rows)` if given, or
         the head itself)."""
 
-    def propose(self, h: torch.Tensor, next_token: torch.Tensor, lm_head: LmHead,
-                budgets: list[int]) -> list[list[int]]:
+    def propose(self, h: torch.Tensor, next_token: torch.Tensor, lm_head: LmHead, budgets: list[int],
+                policy: GoodputPolicy | None = None) -> list[list[int]]:
         """Serving (plugin-served methods only): up to budgets[r] draft tokens for row r.
         h [R, H] is the (augmented) hidden state at each request's last accepted token,
-        next_token [R] the token the target just sampled there, lm_head `output_head(...)`."""
+        next_token [R] the token the target just sampled there, lm_head `output_head(...)`;
+        `policy` (draft_policy.py) chooses the lengths, None keeps the method's own rule."""
 
 
 @dataclass(frozen=True)

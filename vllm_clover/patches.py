@@ -236,7 +236,8 @@ RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 RUNNER_READS = (
     (RUNNER, "_get_positions"), (RUNNER, "attn_groups"), (RUNNER, "rejection_sampler"), (RUNNER, "drafter"),
     (RUNNER, "get_model"), (RUNNER, "vllm_config"), (RUNNER, "_draft_probs"), (RUNNER, "_draft_prob_req_ids"),
-    (RUNNER, "max_num_tokens"), ("vllm.v1.spec_decode.medusa:MedusaProposer", "dummy_run"),
+    (RUNNER, "max_num_tokens"), (RUNNER, "input_batch"), ("vllm.v1.worker.gpu_input_batch:InputBatch", "req_ids"),
+    ("vllm.v1.spec_decode.medusa:MedusaProposer", "dummy_run"),
     ("vllm.v1.worker.utils:AttentionGroup", "layer_names"), ("vllm.v1.worker.utils:AttentionGroup", "build_metadata"),
     ("vllm.v1.attention.backend:CommonAttentionMetadata", "query_start_loc_cpu"),
     ("vllm.v1.attention.backend:CommonAttentionMetadata", "num_actual_tokens"),

@@ -19,13 +19,16 @@ requests read stale entries there: fewer accepted drafts, never different output
 
 from __future__ import annotations
 
+import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 import torch
 from vllm.forward_context import set_forward_context
+from vllm.logger import init_logger
 
 from vllm_clover.draft_batch import draft_batch
+from vllm_clover.draft_policy import GoodputPolicy
 from vllm_clover.vllm_models import HeadsDraftModel
 
 if TYPE_CHECKING:
@@ -33,6 +36,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+logger = init_logger(__name__)
 
 
 @torch.inference_mode()
@@ -42,20 +47,61 @@ def propose(runner: GPUModelRunner, model: HeadsDraftModel, scheduler_output: Sc
             slot_mappings: dict[str, torch.Tensor] | None) -> list[list[int]]:
     model.bind_target(runner.get_model())
     num_tokens = common_attn_metadata.num_actual_tokens
+    num_draft_tokens = spec_decode_metadata.num_draft_tokens if spec_decode_metadata is not None else None
+    req_ids = runner.input_batch.req_ids
+    if model.policy is not None:
+        report_step(model.policy, req_ids, sampled_token_ids, num_draft_tokens, num_tokens)
     batch, rows = draft_batch(
         sampled_token_ids,
         query_start_loc=common_attn_metadata.query_start_loc_cpu[: len(sampled_token_ids) + 1].tolist(),
-        num_draft_tokens=spec_decode_metadata.num_draft_tokens if spec_decode_metadata is not None else None,
+        num_draft_tokens=num_draft_tokens,
         hidden_states=hidden_states[:num_tokens],
         positions=runner._get_positions(num_tokens),
         budget=scheduler_output.num_spec_tokens_to_schedule,
     )
     with draft_attention(runner, model.kv_layer_names, common_attn_metadata, slot_mappings):
         drafts = model.propose(batch)
+    if model.policy is not None:
+        model.policy.end_step([req_ids[row] for row in rows])
+    log_drafting(model)
     per_request: list[list[int]] = [[] for _ in sampled_token_ids]
     for row, tokens in zip(rows, drafts):
         per_request[row] = tokens
     return per_request
+
+
+def report_step(policy: GoodputPolicy, req_ids: list[str | None], sampled_token_ids: list[list[int]],
+                num_draft_tokens: list[int] | None, num_tokens: int) -> None:
+    """What the goodput policy learns from the step that just ran: how many tokens it ran
+    (and how many of them were drafts), and per request how many drafts vLLM verified and
+    accepted (all but the last sampled token are accepted drafts)."""
+    verified = dict(zip(req_ids, num_draft_tokens or []))
+    accepted = {req_id: len(sampled) - 1 for req_id, sampled in zip(req_ids, sampled_token_ids) if sampled}
+    verified = {req_id: n for req_id, n in verified.items() if req_id in accepted}
+    policy.observe_step(num_tokens, num_tokens - sum(num_draft_tokens or []), verified, accepted)
+
+
+LOG_INTERVAL_SECONDS = 30.0
+
+
+def log_drafting(model: HeadsDraftModel) -> None:
+    """Every LOG_INTERVAL_SECONDS, the drafting since the last line: mean draft tokens per
+    request and step, and the share of steps that drafted nothing."""
+    now = time.monotonic()
+    last = model.stats_logged
+    if last is None:
+        model.stats_logged = (now, model.stats.as_dict())
+        return
+    if now - last[0] < LOG_INTERVAL_SECONDS:
+        return
+    current = model.stats.as_dict()
+    steps, rows = current["steps"] - last[1]["steps"], current["rows"] - last[1]["rows"]
+    if steps:
+        logger.info("vllm-clover %s (draft_policy %s): %.2f draft tokens per request and step, "
+                    "no drafts in %.0f%% of %d steps", model.method.name, model.options.draft_policy,
+                    (current["drafted"] - last[1]["drafted"]) / max(rows, 1),
+                    100 * (current["steps_without_drafts"] - last[1]["steps_without_drafts"]) / steps, steps)
+    model.stats_logged = (now, current)
 
 
 def draft_attention(runner: GPUModelRunner, layer_names: tuple[str, ...],

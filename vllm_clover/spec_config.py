@@ -12,6 +12,8 @@ model runner that our proposer hook lives in.
     {"method": "clp-trust", "model": HEADS}   the CLP paper's mode: drafts accepted unverified (lossy)
     {"method": "clp", "model": HEADS, "clp_tau": 0.3}   CLP with another threshold than the checkpoint's
     {"model": HEADS} or {"method": "medusa", ...} with our heads: the checkpoint's method
+    {"method": "clover", "model": HEADS, "draft_policy": "fixed"}   always the full budget
+        (default "goodput": lengths per request and step that pay for themselves, draft_policy.py)
 
 The names and options come from the method table (methods.py).
 
@@ -28,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vllm_clover.checkpoint import CONFIG, build_heads_module, load_heads
+from vllm_clover.draft_policy import DEFAULT_POLICY, check_policy
 from vllm_clover.errors import SpecConfigError
 from vllm_clover.methods import BY_NAME, SERVING_NAMES, DraftMethod, all_serving_option_keys, serving_overrides
 
@@ -35,6 +38,7 @@ CARRIER = "medusa"
 # Where the serving options ride to the workers: an attribute of the draft's hf_config,
 # which vLLM pickles into every engine process along with the rest of VllmConfig.
 SERVING_ATTR = "vllm_clover_serving"
+DRAFT_POLICY = "draft_policy"  # a speculative_config key of every plugin-served method
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class ServingOptions:
     method: str                 # the table entry (methods.TABLE) whose heads are served
     trust_drafts: bool          # accept drafts without verification (CLP paper mode)
     hyper_overrides: dict = field(default_factory=dict)  # from speculative_config, e.g. {"tau": 0.3}
+    draft_policy: str = DEFAULT_POLICY  # draft_policy.POLICIES
 
 
 def our_heads_config(model: object) -> dict | None:
@@ -64,7 +69,7 @@ def resolve(spec: dict, target_model: str) -> tuple[dict, ServingOptions | None]
     name = spec.get("method")
     if name not in SERVING_NAMES and not (name in (None, CARRIER) and our_heads_config(spec.get("model"))):
         return spec, None
-    option_keys = all_serving_option_keys()
+    option_keys = all_serving_option_keys() | {DRAFT_POLICY}
     ours = {key: spec[key] for key in option_keys if key in spec}
     spec = {key: value for key, value in spec.items() if key not in option_keys}
     heads_dir = spec.get("model")
@@ -81,12 +86,22 @@ def resolve(spec: dict, target_model: str) -> tuple[dict, ServingOptions | None]
                               f"{heads_dir / CONFIG} holds {method.name} heads (use method {method.name!r})")
     build_heads_module(heads_dir, config, tensors)  # every tensor present, with its shape
     check_num_speculative_tokens(spec, config, heads_dir)
+    policy_given = DRAFT_POLICY in ours
+    policy = ours.pop(DRAFT_POLICY, DEFAULT_POLICY)
     overrides = option_overrides(ours, method)
     if not method.served_by_plugin:
+        if policy_given:
+            raise SpecConfigError(f"{DRAFT_POLICY} is an option of the plugin's methods "
+                                  f"({', '.join(m.name for m in BY_NAME.values() if m.served_by_plugin)}), "
+                                  f"not of {method.name} heads, which vLLM's own proposer serves")
         return spec, None  # heads in vLLM's own format (our Medusa): its own proposer runs them
+    try:
+        policy = check_policy(policy)
+    except ValueError as e:
+        raise SpecConfigError(str(e)) from None
     check_runner()
     trust = SERVING_NAMES[name][1] if name in SERVING_NAMES else False
-    return {**spec, "method": CARRIER}, ServingOptions(method.name, trust, overrides)
+    return {**spec, "method": CARRIER}, ServingOptions(method.name, trust, overrides, policy)
 
 
 def option_overrides(ours: dict, method: DraftMethod) -> dict:

@@ -21,6 +21,7 @@ The runner hook (proposer.py) calls `propose`, not `forward`.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -36,8 +37,9 @@ from vllm.platforms import current_platform
 
 from vllm_clover.checkpoint import WEIGHTS, check_tensors, checkpoint_shapes
 from vllm_clover.draft_batch import DraftBatch
+from vllm_clover.draft_policy import DraftStats, GoodputPolicy
 from vllm_clover.errors import CheckpointError
-from vllm_clover.layers import MakeScorer
+from vllm_clover.layers import MakeScorer, top1_of
 from vllm_clover.methods import BY_NAME
 from vllm_clover.spec_config import ServingOptions, serving_options
 
@@ -80,6 +82,9 @@ class VllmLmHead:
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits(hidden).argmax(-1)
+
+    def top1(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return top1_of(self.logits(hidden))
 
 
 @support_torch_compile(dynamic_arg_dims={"positions": 0, "hidden_states": 0})  # the number of tokens
@@ -128,6 +133,10 @@ class HeadsDraftModel(nn.Module):
             (self.augment.layer.self_attn.attn.layer_name,) if self.with_augmenting_block else ())
         self._target: list[nn.Module] = []  # a list, so the target is not a submodule of ours
         self.target_dtype = vllm_config.model_config.dtype
+        num_heads = self.heads.num_heads
+        self.policy = GoodputPolicy(num_heads) if self.options.draft_policy == "goodput" else None
+        self.stats = DraftStats(num_heads)
+        self.stats_logged: tuple[float, dict] | None = None  # (when, stats) of the last log line
 
     def bind_target(self, target: nn.Module) -> None:
         if not self._target:
@@ -171,4 +180,9 @@ class HeadsDraftModel(nn.Module):
         h = self.augmented(batch.hidden_states, batch.positions)
         if not batch.budgets:
             return []
-        return self.heads.propose(h[batch.last_index], batch.next_token, self.lm_head, batch.budgets)
+        start = time.perf_counter()
+        drafts = self.heads.propose(h[batch.last_index], batch.next_token, self.lm_head, batch.budgets, self.policy)
+        if self.policy is not None:
+            self.policy.heads_timed(time.perf_counter() - start)
+        self.stats.record([len(d) for d in drafts])
+        return drafts

@@ -1,0 +1,161 @@
+"""The goodput draft-length policy's decisions on hand-made cost and acceptance models
+(engine-free; tests/test_lossless.py runs it in real engines, where outputs must stay exact
+while the lengths change from step to step)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_clover.clover import CloverConfig, CloverHeads
+from vllm_clover.clp import ClpHeads
+from vllm_clover.draft_policy import (
+    AcceptanceModel,
+    GoodputPolicy,
+    StepCostModel,
+    check_policy,
+    plan_lengths,
+)
+from vllm_clover.layers import DenseLmHead
+
+K = 4
+
+
+def roofline(memory_bound_tokens: int = 8, seconds: float = 0.010):
+    """A step that costs the same up to `memory_bound_tokens` tokens (reading the weights),
+    then grows with every token (compute-bound), like a CPU target."""
+    return lambda n: seconds * np.maximum(1.0, np.asarray(n, dtype=np.float64) / memory_bound_tokens)
+
+
+def test_drafts_everything_when_the_target_is_memory_bound():
+    rates = np.full((1, K), 0.7)
+    assert plan_lengths(rates, [K], base_tokens=1, step_time=roofline()) == [K]
+
+
+def test_stops_drafting_when_every_draft_costs_a_full_token_of_compute():
+    rates = np.full((64, K), 0.7)
+    assert plan_lengths(rates, [K] * 64, base_tokens=64, step_time=roofline()) == [0] * 64
+
+
+def test_at_a_middle_load_the_confident_requests_draft_first():
+    # 8 requests and room for 8 more tokens before each one costs in proportion.
+    rates = np.array([[0.95] * K, [0.9] * K, [0.3] * K, [0.2] * K, *[[0.5] * K] * 4])
+    lengths = plan_lengths(rates, [K] * 8, base_tokens=8, step_time=roofline(memory_bound_tokens=16))
+    assert lengths[0] >= lengths[1] > 0 and lengths[2] == lengths[3] == 0
+    assert sum(lengths) < 8 * K
+
+
+def test_honours_each_budget_and_k():
+    rates = np.full((3, K), 0.99)
+    assert plan_lengths(rates, [4, 2, 0], base_tokens=3, step_time=lambda n: np.ones_like(n, dtype=float)) \
+        == [4, 2, 0]
+
+
+def test_costly_heads_shorten_the_chain():
+    """With heads that cost a step's time per position, only the first positions pay."""
+    rates = np.full((1, K), 0.9)
+    flat = lambda n: np.full(np.shape(n), 0.010)  # noqa: E731
+    free = plan_lengths(rates, [K], 1, flat, heads_time=lambda h: 0.0)
+    costly = plan_lengths(rates, [K], 1, flat, heads_time=lambda h: 0.006 * h)
+    assert free == [K] and 0 < costly[0] < K
+
+
+def test_acceptance_is_counted_per_position_and_confidence():
+    model = AcceptanceModel(K)
+    confident = np.array([0.95, 0.95, 0.95, 0.95])
+    prior = model.rates(confident[None])[0]
+    for _ in range(200):
+        model.observe(confident, num_accepted=1)  # position 0 accepted, 1 rejected, 2-3 never judged
+    after = model.rates(confident[None])[0]
+    assert after[0] > 0.99 * prior[0] and after[1] < 0.1
+    assert after[2] == pytest.approx(prior[2]) and after[3] == pytest.approx(prior[3])
+    assert model.tried.sum(1).tolist() == [200, 200, 0, 0]
+
+
+def test_step_cost_interpolates_and_guesses_the_unmeasured_side_cheap():
+    cost = StepCostModel()
+    for _ in range(5):
+        cost.observe(4, 0.010)
+        cost.observe(16, 0.022)
+    predicted = cost.predict(np.array([1, 4, 10, 16, 64]))
+    assert predicted[1] == pytest.approx(0.010) and predicted[3] == pytest.approx(0.022)
+    assert predicted[2] == pytest.approx(0.016)        # linear in tokens between buckets
+    assert predicted[4] == pytest.approx(0.022)        # beyond: flat, so drafting gets tried
+    assert predicted[0] == pytest.approx(0.0025)       # below: in proportion, so not drafting gets tried
+    cost.observe(4, 10.0)  # the engine sat idle: not a step's cost
+    assert cost.predict(np.array([4]))[0] == pytest.approx(0.010)
+    cost.observe(8, 0.005)  # noise, or a bucket measured under another load
+    assert cost.predict(np.array([8]))[0] == pytest.approx(0.010)  # never cheaper than fewer tokens
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_steps(policy: GoodputPolicy, clock: Clock, num_requests: int, step_time, steps: int,
+              confidence: float = 0.6, accept: int = 2) -> list[list[int]]:
+    """Drive the policy as the runner hook does, on a simulated engine."""
+    ids, chosen, drafted = [f"r{i}" for i in range(num_requests)], [], [0] * num_requests
+    for _ in range(steps):
+        tokens = num_requests + sum(drafted)
+        clock.now += float(step_time(tokens))
+        policy.observe_step(tokens, num_requests, dict(zip(ids, drafted)),
+                            {r: min(accept, n) for r, n in zip(ids, drafted)})
+        budgets = [K] * num_requests
+        depth = policy.heads_to_run(budgets)
+        if depth:
+            clock.now += 0.001 * depth
+            policy.heads_timed(0.001 * depth)
+            drafted = policy.lengths(np.full((num_requests, depth), confidence), [min(b, depth) for b in budgets])
+        else:
+            policy.heads_timed(0.0)
+            drafted = [0] * num_requests
+        policy.end_step(ids)
+        chosen.append(drafted)
+    return chosen
+
+
+def test_policy_drafts_at_low_load_and_stops_at_high_load():
+    step_time = roofline(memory_bound_tokens=8, seconds=0.010)
+    low = run_steps(GoodputPolicy(K, clock=(c := Clock())), c, 1, step_time, steps=30)
+    high = run_steps(GoodputPolicy(K, clock=(c := Clock())), c, 64, step_time, steps=30)
+    assert low[0] == [K] and high[0] == [K] * 64  # nothing measured yet: the full budget
+    assert all(sum(s) > 0 for s in low[-10:])
+    assert all(sum(s) == 0 for s in high[-10:])  # the heads do not even run
+
+
+def test_goodput_is_the_default_and_other_names_are_refused():
+    assert check_policy("goodput") == "goodput" and check_policy("fixed") == "fixed"
+    with pytest.raises(ValueError, match="draft_policy must be one of 'goodput', 'fixed', got 'fast'"):
+        check_policy("fast")
+
+
+def test_heads_follow_the_policy():
+    """Clover keeps per row what the policy allows; a policy that measured only slow steps
+    skips the chain; CLP asks before its heads run, with their cost."""
+    torch.manual_seed(0)
+    H, V = 16, 11
+    lm_head = DenseLmHead(torch.randn(V, H))
+    clover = CloverHeads(CloverConfig(num_heads=K, hidden_size=H, vocab_size=V, intermediate_size=32,
+                                      num_attention_heads=2, num_key_value_heads=2, head_dim=8))
+    h, first = torch.randn(3, H), torch.tensor([1, 2, 3])
+    policy = GoodputPolicy(K, clock=Clock())
+    assert [len(d) for d in clover.propose(h, first, lm_head, [4, 2, 0], policy)] == [4, 2, 0]
+    policy.step_cost.observe(3, 0.01)  # from here on, every extra token costs in proportion
+    policy.heads_cost.observe(1, 0.01)
+    policy.acceptance.note_confidence(np.full((1, K), 0.05))
+    assert clover.propose(h, first, lm_head, [4, 4, 4], policy) == [[], [], []]
+
+    clp = ClpHeads(num_heads=K, hidden_size=H)
+    with torch.no_grad():
+        clp.length.weight.zero_()
+        clp.length.bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.0, 20.0]))  # P(L* = 4) ~ 1
+    flat = GoodputPolicy(K, clock=Clock())
+    flat.step_cost.observe(1, 0.01)
+    flat.heads_cost.observe(1, 0.0001)
+    assert [len(d) for d in clp.propose(h, first, lm_head, [4, 3, 1], flat)] == [4, 3, 1]

@@ -1,0 +1,300 @@
+"""How many tokens to draft, per request and step: the goodput policy (vLLM-free).
+
+A draft token pays only if the chance that it is accepted is worth what it costs: at batch
+1 on a CPU the target reads its weights once whatever the token count, so drafts are
+nearly free; at batch 16 every drafted token is one more the target must run, and a step
+verifying 5 tokens a request costs ~2x one that verifies 1 (SmolLM2, README). Like
+SmartSpec (arXiv 2406.14066), every step the policy picks each request's length k_r in
+0..budget_r to maximise the step's goodput,
+
+    goodput = sum_r (1 + E_r(k_r))  /  (D + T(n + sum_r k_r))
+
+    E_r(k) = sum_{i<=k} prod_{j<=i} a_rj    expected accepted drafts of request r
+    a_rj    chance that draft j of r is accepted if drafts 1..j-1 were (AcceptanceModel)
+    T(n)    time of an engine step that runs n tokens (StepCostModel)
+    D       the heads' own time this step (HeadsCostModel)
+
+Because a_rj <= 1, each request's marginal gains prod_{j<=i} a_rj fall with i, so the best
+plan with N draft tokens in all takes the N largest marginals over the batch (each
+request a prefix); the policy scans N and keeps the best goodput (`plan_lengths`).
+
+Both models learn online from the engine's own steps, so they fit the machine, the model
+and the load: acceptance from what vLLM's rejection sampler accepted, per draft position
+and per bin of the heads' own confidence (a calibrated head's top-1 probability is its
+chance of being right, which is the prior); the step time from the wall time between
+successive draft steps, per bucket of token counts. Until a model has seen anything the
+policy drafts the full budget, which is also how it measures.
+
+`fixed` (speculative_config "draft_policy": "fixed") keeps each method's own rule: Clover
+drafts its budget, CLP thresholds its predicted length at tau.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import numpy as np
+
+POLICIES = ("goodput", "fixed")
+DEFAULT_POLICY = "goodput"
+
+CONFIDENCE_BINS = 10
+PRIOR_WEIGHT = 8.0        # pseudo-observations behind each prior acceptance rate
+COST_SMOOTHING = 0.1      # weight of a new step in its bucket's running mean
+OUTLIER_FACTOR = 4.0      # a step this many times its bucket's estimate waited for work: skip it
+BUCKETS_PER_OCTAVE = 2
+
+
+def check_policy(name: object) -> str:
+    if name not in POLICIES:
+        raise ValueError(f"draft_policy must be one of {', '.join(repr(p) for p in POLICIES)}, got {name!r}")
+    return name
+
+
+class AcceptanceModel:
+    """a(j, c): the chance that a draft at position j (0-based) whose heads' confidence is c
+    is accepted, given the drafts before it were. Counted per (position, confidence bin) on
+    top of a prior that takes the confidence at its word."""
+
+    def __init__(self, num_positions: int):
+        self.num_positions = num_positions
+        centres = (np.arange(CONFIDENCE_BINS) + 0.5) / CONFIDENCE_BINS
+        self.prior = np.tile(centres, (num_positions, 1))
+        self.tried = np.zeros((num_positions, CONFIDENCE_BINS))
+        self.accepted = np.zeros((num_positions, CONFIDENCE_BINS))
+        # How often the heads' confidence falls in each bin, whether drafted or not: what a
+        # draft at position j is worth on average (`mean_rates`), free of the selection the
+        # policy makes when it drafts only confident tokens.
+        self.seen = np.zeros((num_positions, CONFIDENCE_BINS))
+
+    @staticmethod
+    def bins(confidence: np.ndarray) -> np.ndarray:
+        return np.minimum((confidence * CONFIDENCE_BINS).astype(np.int64), CONFIDENCE_BINS - 1)
+
+    def calibrated(self) -> np.ndarray:
+        """[positions, bins] acceptance rates: counts blended with the prior."""
+        return (self.accepted + PRIOR_WEIGHT * self.prior) / (self.tried + PRIOR_WEIGHT)
+
+    def rates(self, confidence: np.ndarray) -> np.ndarray:
+        """confidence [R, k] (k <= positions) -> a [R, k]."""
+        k = confidence.shape[1]
+        return self.calibrated()[np.arange(k), self.bins(confidence)]
+
+    def note_confidence(self, confidence: np.ndarray) -> None:
+        """Every row the heads drafted for, drafted or not (confidence [R, k])."""
+        k = confidence.shape[1]
+        np.add.at(self.seen, (np.broadcast_to(np.arange(k), confidence.shape), self.bins(confidence)), 1)
+
+    def observe(self, confidence: np.ndarray, num_accepted: int) -> None:
+        """One request's verified drafts (their confidences [k]) and how many were accepted:
+        positions 0..m-1 were accepted, position m rejected, later ones never judged."""
+        judged = min(num_accepted + 1, len(confidence))
+        positions, bins = np.arange(judged), self.bins(confidence[:judged])
+        self.tried[positions, bins] += 1
+        accepted = positions < num_accepted
+        self.accepted[positions[accepted], bins[accepted]] += 1
+
+    def mean_rates(self) -> np.ndarray | None:
+        """[positions] a_j averaged over the confidences the heads produce; None before any."""
+        if not self.seen.any():
+            return None
+        seen = self.seen.sum(1, keepdims=True)
+        return np.where(seen[:, 0] > 0, (self.seen * self.calibrated()).sum(1) / np.maximum(seen[:, 0], 1), 0.0)
+
+
+def bucket(num_tokens: int) -> int:
+    return round(BUCKETS_PER_OCTAVE * math.log2(max(num_tokens, 1)))
+
+
+class StepCostModel:
+    """T(n): seconds of an engine step that runs n tokens, as running means per bucket of
+    token counts (half-octaves) from the engine's own steps, linear in n between buckets
+    (a roofline: flat while the target is bound by reading weights, then rising per token).
+
+    Outside what it has measured it guesses optimistically, so the policy tries the
+    unmeasured side once and then knows it: above the largest bucket as flat (drafting
+    looks free), below the smallest in proportion to n (not drafting looks cheap)."""
+
+    def __init__(self):
+        self.seconds: dict[int, float] = {}
+        self.tokens: dict[int, float] = {}   # the bucket's mean token count, where its time is plotted
+        self.count: dict[int, int] = {}
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        b = bucket(num_tokens)
+        if b in self.seconds and seconds > OUTLIER_FACTOR * self.seconds[b]:
+            return  # the engine waited for requests, or something else took the core
+        self.count[b] = self.count.get(b, 0) + 1
+        weight = max(COST_SMOOTHING, 1 / self.count[b])
+        self.seconds[b] = (1 - weight) * self.seconds.get(b, seconds) + weight * seconds
+        self.tokens[b] = (1 - weight) * self.tokens.get(b, num_tokens) + weight * num_tokens
+
+    def knows(self) -> bool:
+        return bool(self.seconds)
+
+    def predict(self, num_tokens: np.ndarray) -> np.ndarray:
+        keys = sorted(self.seconds)
+        xs = np.array([self.tokens[b] for b in keys])
+        # More tokens never take less time: without this, noise between buckets (or one
+        # measured long ago) would make some drafts look cheaper than none.
+        ys = np.maximum.accumulate([self.seconds[b] for b in keys])
+        n = np.maximum(np.asarray(num_tokens, dtype=np.float64), 1)
+        inside = np.interp(n, xs, ys)  # flat beyond the largest
+        return np.where(n < xs[0], ys[0] * n / xs[0], inside)
+
+    def table(self) -> dict[str, float]:
+        return {f"{self.tokens[b]:.1f}": round(self.seconds[b], 6) for b in sorted(self.seconds)}
+
+
+class HeadsCostModel:
+    """D(h): seconds the heads take to draft h positions in one step (their chain; the
+    augmenting block runs every step, so it is part of T)."""
+
+    def __init__(self):
+        self.per_head: float | None = None
+
+    def observe(self, num_heads: int, seconds: float) -> None:
+        if num_heads > 0:
+            sample = seconds / num_heads
+            self.per_head = sample if self.per_head is None else (
+                (1 - COST_SMOOTHING) * self.per_head + COST_SMOOTHING * sample)
+
+    def predict(self, num_heads: int) -> float:
+        return (self.per_head or 0.0) * num_heads
+
+
+def plan_lengths(rates: np.ndarray, budgets: list[int], base_tokens: int, step_time,
+                 heads_time=None) -> list[int]:
+    """Per row, the draft length that maximises the step's goodput (module docstring).
+
+    rates [R, K]: a_rj; budgets [R] (<= K); base_tokens: tokens the next step runs without
+    drafts; step_time(n array) -> seconds; heads_time(h) -> seconds of drafting h positions
+    this step, or None when the heads have already run (their time is spent either way)."""
+    R, K = rates.shape
+    marginals = np.cumprod(rates, axis=1)                       # [R, K] prod_{j<=i} a_rj
+    allowed = np.arange(K)[None, :] < np.asarray(budgets)[:, None]
+    order = np.argsort(-np.where(allowed, marginals, -1.0), axis=None, kind="stable")[: int(allowed.sum())]
+    gains = np.concatenate([[0.0], np.cumsum(marginals.ravel()[order])])  # expected accepted, N drafts
+    seconds = step_time(base_tokens + np.arange(len(gains)))
+    if heads_time is not None:
+        deepest = np.concatenate([[0], np.maximum.accumulate(order % K + 1)])  # heads needed for N drafts
+        seconds = seconds + np.array([heads_time(int(h)) for h in deepest])
+    best = int(np.argmax((R + gains) / seconds))
+    lengths = np.zeros(R, dtype=np.int64)
+    np.add.at(lengths, order[:best] // K, 1)
+    return lengths.tolist()
+
+
+class DraftStats:
+    """Running totals of one engine's drafting, whatever the policy: read by benchmarks (as
+    differences between two readings) and logged by the engine."""
+
+    def __init__(self, num_positions: int):
+        self.steps = 0                   # draft steps with at least one request that could draft
+        self.rows = 0                    # requests offered drafts, summed over steps
+        self.drafted = 0                 # draft tokens proposed
+        self.steps_without_drafts = 0    # steps that offered drafts and proposed none
+        self.per_position = [0] * num_positions  # requests given >= j+1 drafts
+
+    def record(self, lengths: list[int]) -> None:
+        self.steps += 1
+        self.rows += len(lengths)
+        self.drafted += sum(lengths)
+        self.steps_without_drafts += not any(lengths)
+        for n in lengths:
+            for j in range(n):
+                self.per_position[j] += 1
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "rows": self.rows, "drafted": self.drafted,
+                "steps_without_drafts": self.steps_without_drafts, "per_position": list(self.per_position)}
+
+
+class GoodputPolicy:
+    """The goodput policy of one engine (module docstring). Within a step the heads call
+    `heads_to_run` (Clover, before its chain) and `lengths`; the runner hook reports how
+    the previous step's drafts fared and how long the step took (`observe_step`), the heads'
+    time (`heads_timed`) and which request each row was (`end_step`)."""
+
+    def __init__(self, num_positions: int, clock: Callable[[], float] = time.perf_counter):
+        self.acceptance = AcceptanceModel(num_positions)
+        self.step_cost = StepCostModel()
+        self.heads_cost = HeadsCostModel()
+        self.clock = clock
+        self.base_tokens = 1
+        self._last_step_start: float | None = None
+        self._heads_seconds = 0.0
+        self._heads_run = 0
+        self._confidence: list[np.ndarray] = []     # this step's rows, in row order
+        self._pending: dict[str, np.ndarray] = {}   # request id -> its drafts' confidences
+
+    # ---- the runner hook ----
+
+    def observe_step(self, num_tokens: int, base_tokens: int, verified: dict[str, int],
+                     accepted: dict[str, int]) -> None:
+        """At the start of a draft step: this step ran `num_tokens` tokens, `base_tokens` of
+        them not drafts (what the next step runs before drafts); per request id, how many of
+        its drafts were verified and how many accepted."""
+        now = self.clock()
+        if self._last_step_start is not None:
+            # Since the last draft step began: its heads, then this whole engine step.
+            self.step_cost.observe(num_tokens, now - self._last_step_start - self._heads_seconds)
+        self._last_step_start, self._heads_seconds, self._heads_run = now, 0.0, 0
+        self.base_tokens = max(base_tokens, 1)
+        for req_id, confidence in self._pending.items():
+            n = min(verified.get(req_id, 0), len(confidence))
+            if n > 0:
+                self.acceptance.observe(confidence[:n], accepted[req_id])
+        self._pending, self._confidence = {}, []
+
+    def heads_timed(self, seconds: float) -> None:
+        self._heads_seconds = seconds
+        self.heads_cost.observe(self._heads_run, seconds)
+
+    def end_step(self, req_ids: list[str]) -> None:
+        """The request id of each row that `lengths` was given, in the same order."""
+        self._pending = {r: c for r, c in zip(req_ids, self._confidence) if len(c)}
+
+    # ---- the heads ----
+
+    def heads_to_run(self, budgets: list[int]) -> int:
+        """Before any head runs (Clover): how many positions are worth drafting for an average
+        request of this batch; 0 skips the heads. Until the policy has measured the heads'
+        confidence, their time and the step time, the full budget."""
+        deepest = max(budgets, default=0)
+        mean = self.acceptance.mean_rates()
+        if deepest and mean is not None and self.step_cost.knows() and self.heads_cost.per_head is not None:
+            rates = np.broadcast_to(mean[:deepest], (len(budgets), deepest))
+            deepest = max(plan_lengths(rates, budgets, self.base_tokens, self.step_cost.predict,
+                                       self.heads_cost.predict))
+        self._heads_run = deepest
+        return deepest
+
+    def lengths(self, confidence: np.ndarray, budgets: list[int], heads_to_run: bool = False) -> list[int]:
+        """confidence [R, k]: the heads' estimate per row and position (Clover: each head's
+        top-1 probability; CLP: P(L >= j) / P(L >= j-1)). `heads_to_run`: the heads have not
+        run yet (CLP), so their time depends on the lengths chosen."""
+        self.acceptance.note_confidence(confidence)
+        if self.step_cost.knows():
+            heads_time = self.heads_cost.predict if heads_to_run else None
+            lengths = plan_lengths(self.acceptance.rates(confidence), budgets, self.base_tokens,
+                                   self.step_cost.predict, heads_time)
+        else:
+            lengths = list(budgets)
+        if heads_to_run:
+            self._heads_run = max(lengths, default=0)
+        self._confidence = [row[:n] for row, n in zip(confidence, lengths)]
+        return lengths
+
+    def summary(self) -> dict:
+        """The policy's models, for the benchmark JSON: the step-time table, the heads' time
+        and the calibrated acceptance."""
+        mean = self.acceptance.mean_rates()
+        return {
+            "step_seconds_by_tokens": self.step_cost.table(),
+            "heads_seconds_per_position": self.heads_cost.per_head,
+            "mean_acceptance_rate_per_position": None if mean is None else [round(float(x), 4) for x in mean],
+            "judged_drafts_per_position": self.acceptance.tried.sum(1).astype(int).tolist(),
+        }
