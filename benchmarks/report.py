@@ -130,6 +130,7 @@ PART_NAMES = {
     "target_forward": "target forward", "sampling": "sampling and rejection", "sample_other": "runner bookkeeping",
     "draft": "draft step", "draft.draft_batch": "draft: batch bookkeeping",
     "draft.attention_metadata": "draft: attention metadata", "draft.augmenting_block": "draft: augmenting block",
+    "draft.augmenting_rows": "draft: augmenting block's drafting rows",
     "draft.heads_chain": "draft: heads' own layers", "draft.head_logits": "draft: logits + argmax",
     "draft.head_rows": "draft: token rows", "draft.other": "draft: the rest (host copies, Python)",
     "outside_runner": "engine outside the runner",

@@ -146,7 +146,8 @@ PROFILE_RUNNER_PARTS = {"target_forward": "_model_forward", "sampling": "_sample
 # Our draft step, nested inside "draft": (part, where it lives).
 PROFILE_DRAFT_PARTS = {"draft_batch": ("proposer", "draft_batch"),
                        "attention_metadata": ("proposer", "draft_attention"),
-                       "augmenting_block": ("model", "augmented"),
+                       "augmenting_block": ("model", "write_augmenting_kv"),
+                       "augmenting_rows": ("model", "start_states"),
                        "heads_chain": ("heads", "draft"),
                        "head_logits": ("lm_head", "logits"),
                        "head_rows": ("lm_head", "rows")}

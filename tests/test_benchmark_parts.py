@@ -147,26 +147,33 @@ def test_a_failing_method_is_reported_and_the_run_completes(tmp_path, monkeypatc
 
 
 def test_interleaved_rounds_with_profile_in_real_engines(tmp_path, monkeypatch):
-    """Three engines loaded together, two rounds each, with our draft step's parts timed."""
+    """Four engines loaded together, two rounds each, with our draft step's parts timed;
+    Clover with both draft policies (the fixed one drafts every head, so every part runs)."""
     from benchmarks import run
 
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # run.main sets it; restored after the test
-    result = run.main(["--methods", "vanilla,clover,medusa", "--batch-sizes", "1", "--num-prompts", "2",
+    result = run.main(["--methods", "vanilla,clover-fixed,clover,medusa", "--batch-sizes", "1", "--num-prompts", "2",
                        "--max-tokens", "12", "--rounds", "2", "--profile", "--enforce-eager",
                        "--out", str(tmp_path / "r.json")], summary=False)
     assert result["failed"] == {}
-    clover, medusa = result["results"]["clover"]["1"], result["results"]["medusa"]["1"]
-    assert clover["rounds"] == 2 and len(clover["output_tokens_per_s_rounds"]) == 2 and clover["rounds_agree"]
-    assert clover["mismatches"] == [0, 0] and medusa["mismatches"] == [0, 0]
-    low, high = clover["speedup_range"]
-    assert low <= clover["speedup_over_vanilla"] <= high
+    fixed, medusa = result["results"]["clover-fixed"]["1"], result["results"]["medusa"]["1"]
+    goodput = result["results"]["clover"]["1"]
+    assert fixed["rounds"] == 2 and len(fixed["output_tokens_per_s_rounds"]) == 2 and fixed["rounds_agree"]
+    assert fixed["mismatches"] == [0, 0] and medusa["mismatches"] == [0, 0] and goodput["mismatches"] == [0, 0]
+    low, high = fixed["speedup_range"]
+    assert low <= fixed["speedup_over_vanilla"] <= high
     # Each engine's own counters: vLLM's process-wide metrics would report only the newest engine.
-    for r in (clover, medusa):
+    for r in (fixed, medusa):
         assert r["spec_decode"]["drafts"] > 0 and r["mean_acceptance_length"] > 1.2
-    assert clover["spec_decode"] != medusa["spec_decode"]
-    steps = clover["step_seconds"]
-    for part in ("target_forward", "sampling", "draft.augmenting_block", "draft.attention_metadata",
-                 "draft.heads_chain", "draft.head_logits", "draft.head_rows"):
+    assert fixed["spec_decode"] != medusa["spec_decode"]
+    steps = fixed["step_seconds"]
+    for part in ("target_forward", "sampling", "draft.augmenting_block", "draft.augmenting_rows",
+                 "draft.attention_metadata", "draft.heads_chain", "draft.head_logits", "draft.head_rows"):
         assert steps[part] > 0, part
     assert "draft.augmenting_block" not in result["results"]["vanilla"]["1"]["step_seconds"]
+    # What our heads drafted: all 4 every step with the fixed policy; the goodput policy's models.
+    assert fixed["drafting"]["draft_tokens_per_request_step"] == 4.0 and fixed["drafting"]["policy"] is None
+    assert "drafting" not in medusa
+    policy = goodput["drafting"]["policy"]
+    assert policy["step_seconds_by_tokens"] and sum(policy["judged_drafts_per_position"]) > 0
     assert "Where a step's time goes" in report.markdown(result, tmp_path / "r.json")

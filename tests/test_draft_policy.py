@@ -149,7 +149,7 @@ def test_heads_follow_the_policy():
     policy.step_cost.observe(3, 0.01)  # from here on, every extra token costs in proportion
     policy.heads_cost.observe(1, 0.01)
     policy.acceptance.note_confidence(np.full((1, K), 0.05))
-    assert clover.propose(h, first, lm_head, [4, 4, 4], policy) == [[], [], []]
+    assert clover.draft_depth([4, 4, 4], policy) == 0
 
     clp = ClpHeads(num_heads=K, hidden_size=H)
     with torch.no_grad():

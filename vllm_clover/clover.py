@@ -258,16 +258,16 @@ class CloverHeads(StateDictCheckpoint, DraftVocabulary, nn.Module):
             confidence.append(probability)
         return torch.stack(drafts, dim=-1), torch.stack(confidence, dim=-1)
 
+    def draft_depth(self, budgets: list[int], policy: GoodputPolicy | None = None) -> int:
+        """How many heads run this step (0: none): the largest budget, or as deep as the
+        policy finds worth it for this batch before seeing any head's confidence."""
+        return max(budgets, default=0) if policy is None else policy.heads_to_run(budgets)
+
     def propose(self, h0: torch.Tensor, next_token: torch.Tensor, lm_head: LmHead, budgets: list[int],
                 policy: GoodputPolicy | None = None) -> list[list[int]]:
-        """One chain as long as the largest budget, each row cut to its own. A policy first
-        says how deep the chain is worth running (0: not at all), then, from each head's
-        confidence, how many of its drafts each row keeps."""
-        depth = max(budgets) if policy is None else policy.heads_to_run(budgets)
-        if depth == 0:
-            return [[] for _ in budgets]
-        drafts, confidence = self.draft(h0, next_token, lm_head, depth)
-        budgets = [min(n, depth) for n in budgets]
+        """One chain as long as the largest budget, each row cut to its own, or, with a
+        policy, to what each head's confidence makes worth verifying."""
+        drafts, confidence = self.draft(h0, next_token, lm_head, max(budgets))
         if policy is not None:
             budgets = policy.lengths(confidence.float().cpu().numpy(), budgets)
         return [row[:n] for row, n in zip(drafts.tolist(), budgets)]

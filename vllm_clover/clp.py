@@ -82,6 +82,10 @@ class ClpHeads(StateDictCheckpoint, DraftVocabulary, nn.Module):
         mlps = self.mlps[: self.num_heads if num_tokens is None else num_tokens]
         return torch.stack([lm_head.greedy(mlp(h)) for mlp in mlps], dim=-1)
 
+    def draft_depth(self, budgets: list[int], policy: GoodputPolicy | None = None) -> int:
+        """The largest budget: CLP's lengths come from its predictor on h, in `propose`."""
+        return max(budgets, default=0)
+
     @torch.no_grad()
     def propose(self, h: torch.Tensor, next_token: torch.Tensor, lm_head: LmHead, budgets: list[int],
                 policy: GoodputPolicy | None = None) -> list[list[int]]:

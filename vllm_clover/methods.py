@@ -76,6 +76,10 @@ class DraftHeads(Protocol):
         the base's (a draft-vocabulary view of it, scored by `make_scorer(rows)` if given, or
         the head itself)."""
 
+    def draft_depth(self, budgets: list[int], policy: GoodputPolicy | None = None) -> int:
+        """Serving (plugin-served methods only), before the draft states are built: at most
+        how many tokens any row drafts this step; 0 skips building them and `propose`."""
+
     def propose(self, h: torch.Tensor, next_token: torch.Tensor, lm_head: LmHead, budgets: list[int],
                 policy: GoodputPolicy | None = None) -> list[list[int]]:
         """Serving (plugin-served methods only): up to budgets[r] draft tokens for row r.

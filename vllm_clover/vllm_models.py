@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 from vllm import _custom_ops as ops
 from vllm.compilation.decorators import support_torch_compile
+from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaModel
@@ -90,9 +91,14 @@ class VllmLmHead:
 @support_torch_compile(dynamic_arg_dims={"positions": 0, "hidden_states": 0})  # the number of tokens
 class AugmentingBlock(nn.Module):
     """Clover's augmenting block as vLLM runs it: vLLM's Llama decoder layer in the target's
-    shape, then a norm. vLLM compiles it as it compiles the target (torch.compile, split
-    around the attention op, dynamic in the number of tokens) unless the engine runs eager;
-    eager, the one layer cost half the target's five compiled layers on the demo base."""
+    shape, then a norm, in two parts. Every scheduled token's KV must be written (later
+    drafts attend to it), but drafts start from one row per request: `forward` runs the
+    layer up to its attention for every token, which writes their KV, and `finish` runs the
+    rest (output projection, MLP, norms) only at the rows drafts start from, or not at all
+    in a step that drafts nothing. At batch 16 verifying 4 drafts each that is 16 rows of
+    80; for a prefill chunk, one. vLLM compiles `forward` as it compiles the target
+    (torch.compile, split around the attention op, dynamic in the number of tokens) unless
+    the engine runs eager; `finish` runs vLLM's ops eagerly on a few rows."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()
@@ -104,7 +110,24 @@ class AugmentingBlock(nn.Module):
         self.norm = RMSNorm(target.hidden_size, eps=target.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        out, residual = self.layer(positions, hidden_states, None)
+        """Every token -> its attention output before the output projection; writes its KV."""
+        attn = self.layer.self_attn
+        qkv, _ = attn.qkv_proj(self.layer.input_layernorm(hidden_states))
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q, k = attn.rotary_emb(positions, q, k)
+        return attn.attn(q, k, v)
+
+    def finish(self, attention: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Some rows' attention outputs and block inputs -> their h_0 (LlamaDecoderLayer's
+        residual path, then the block's norm)."""
+        layer = self.layer
+        out, _ = layer.self_attn.o_proj(attention)
+        out, residual = layer.post_attention_layernorm(out, hidden_states)
+        # LlamaMLP's steps with the activation's plain-PyTorch form: called outside a compiled
+        # graph, vLLM's SiluAndMul would torch.compile itself on first use, and again for a
+        # new row count while serving.
+        gate_up, _ = layer.mlp.gate_up_proj(out)
+        out, _ = layer.mlp.down_proj(SiluAndMul.forward_native(gate_up))
         return self.norm(out, residual)[0]
 
 
@@ -146,10 +169,10 @@ class HeadsDraftModel(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """MedusaProposer.dummy_run's call (patch warm_up_draft_model makes it at start-up):
-        a dummy pass through the augmenting block, so a compiled block compiles then and its
-        activations count in memory profiling. Drafting is `propose`."""
+        a dummy pass through the augmenting block at every row, so a compiled block compiles
+        then and its activations count in memory profiling. Drafting is `propose`."""
         positions = torch.zeros(hidden_states.shape[0], dtype=torch.long, device=hidden_states.device)
-        return self.augmented(hidden_states, positions)
+        return self.start_states(self.write_augmenting_kv(hidden_states, positions), hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         tensors = dict(weights)
@@ -168,21 +191,37 @@ class HeadsDraftModel(nn.Module):
             raise CheckpointError(f"{self.heads_dir / WEIGHTS} left parameters unset: {sorted(missing)[:5]}")
         return loaded
 
-    def augmented(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """h_0 at every scheduled token; also writes the block's KV for later steps."""
+    def write_augmenting_kv(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """Every scheduled token through the augmenting block's attention, drafting or not
+        (prefill chunks too), so its KV cache holds every position later drafts attend to;
+        the attention outputs, for `start_states`. None without a block."""
         if not self.with_augmenting_block:
-            return hidden_states
+            return None
         return self.augment(positions, hidden_states)
 
+    def start_states(self, attention: torch.Tensor | None, hidden_states: torch.Tensor,
+                     rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The states drafts start from at `rows` (all if None): h_0 for Clover, the target's
+        own hidden states for heads without an augmenting block."""
+        if rows is not None:
+            hidden_states = hidden_states[rows]
+        if attention is None:
+            return hidden_states
+        return self.augment.finish(attention if rows is None else attention[rows], hidden_states)
+
     def propose(self, batch: DraftBatch) -> list[list[int]]:
-        # Every scheduled token goes through the augmenting block, drafting or not (prefill
-        # chunks too), so its KV cache holds every position later drafts attend to.
-        h = self.augmented(batch.hidden_states, batch.positions)
+        attention = self.write_augmenting_kv(batch.hidden_states, batch.positions)
         if not batch.budgets:
             return []
-        start = time.perf_counter()
-        drafts = self.heads.propose(h[batch.last_index], batch.next_token, self.lm_head, batch.budgets, self.policy)
-        if self.policy is not None:
-            self.policy.heads_timed(time.perf_counter() - start)
+        depth = self.heads.draft_depth(batch.budgets, self.policy)
+        if depth == 0:
+            drafts = [[] for _ in batch.budgets]
+        else:
+            start = time.perf_counter()
+            h = self.start_states(attention, batch.hidden_states, batch.last_index)
+            drafts = self.heads.propose(h, batch.next_token, self.lm_head, [min(n, depth) for n in batch.budgets],
+                                        self.policy)
+            if self.policy is not None:
+                self.policy.heads_timed(time.perf_counter() - start)
         self.stats.record([len(d) for d in drafts])
         return drafts
