@@ -11,9 +11,10 @@ import torch
 from vllm_clover.clover import CloverConfig, CloverHeads
 from vllm_clover.clp import ClpHeads
 from vllm_clover.draft_policy import (
+    EXPLORE_AFTER,
     AcceptanceModel,
+    CostModel,
     GoodputPolicy,
-    StepCostModel,
     check_policy,
     plan_lengths,
 )
@@ -56,7 +57,7 @@ def test_costly_heads_shorten_the_chain():
     """With heads that cost a step's time per position, only the first positions pay."""
     rates = np.full((1, K), 0.9)
     flat = lambda n: np.full(np.shape(n), 0.010)  # noqa: E731
-    free = plan_lengths(rates, [K], 1, flat, heads_time=lambda h: 0.0)
+    free = plan_lengths(rates, [K], 1, flat, heads_time=lambda h: 0.0 * h)
     costly = plan_lengths(rates, [K], 1, flat, heads_time=lambda h: 0.006 * h)
     assert free == [K] and 0 < costly[0] < K
 
@@ -74,7 +75,7 @@ def test_acceptance_is_counted_per_position_and_confidence():
 
 
 def test_step_cost_interpolates_and_guesses_the_unmeasured_side_cheap():
-    cost = StepCostModel()
+    cost = CostModel()
     for _ in range(5):
         cost.observe(4, 0.010)
         cost.observe(16, 0.022)
@@ -83,7 +84,7 @@ def test_step_cost_interpolates_and_guesses_the_unmeasured_side_cheap():
     assert predicted[2] == pytest.approx(0.016)        # linear in tokens between buckets
     assert predicted[4] == pytest.approx(0.022)        # beyond: flat, so drafting gets tried
     assert predicted[0] == pytest.approx(0.0025)       # below: in proportion, so not drafting gets tried
-    cost.observe(4, 10.0)  # the engine sat idle: not a step's cost
+    cost.observe(4, 10.0)  # the engine sat idle: not a step's cost (the median of its bucket)
     assert cost.predict(np.array([4]))[0] == pytest.approx(0.010)
     cost.observe(8, 0.005)  # noise, or a bucket measured under another load
     assert cost.predict(np.array([8]))[0] == pytest.approx(0.010)  # never cheaper than fewer tokens
@@ -127,6 +128,13 @@ def test_policy_drafts_at_low_load_and_stops_at_high_load():
     assert low[0] == [K] and high[0] == [K] * 64  # nothing measured yet: the full budget
     assert all(sum(s) > 0 for s in low[-10:])
     assert all(sum(s) == 0 for s in high[-10:])  # the heads do not even run
+
+
+def test_a_policy_that_stopped_drafting_looks_again_now_and_then():
+    c = Clock()
+    steps = run_steps(GoodputPolicy(K, clock=c), c, 64, roofline(), steps=30 + 2 * EXPLORE_AFTER)
+    explored = [s for s in steps[30:] if sum(s)]
+    assert explored == [[K] * 64] * 2  # one full-budget step per EXPLORE_AFTER steps without drafts
 
 
 def test_goodput_is_the_default_and_other_names_are_refused():

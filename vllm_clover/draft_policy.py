@@ -11,8 +11,8 @@ SmartSpec (arXiv 2406.14066), every step the policy picks each request's length 
 
     E_r(k) = sum_{i<=k} prod_{j<=i} a_rj    expected accepted drafts of request r
     a_rj    chance that draft j of r is accepted if drafts 1..j-1 were (AcceptanceModel)
-    T(n)    time of an engine step that runs n tokens (StepCostModel)
-    D       the heads' own time this step (HeadsCostModel)
+    T(n)    time of an engine step that runs n tokens (a CostModel)
+    D       the heads' own time this step, by how many positions they draft (a CostModel)
 
 Because a_rj <= 1, each request's marginal gains prod_{j<=i} a_rj fall with i, so the best
 plan with N draft tokens in all takes the N largest marginals over the batch (each
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from typing import Callable
 
 import numpy as np
@@ -42,9 +43,12 @@ DEFAULT_POLICY = "goodput"
 
 CONFIDENCE_BINS = 10
 PRIOR_WEIGHT = 8.0        # pseudo-observations behind each prior acceptance rate
-COST_SMOOTHING = 0.1      # weight of a new step in its bucket's running mean
-OUTLIER_FACTOR = 4.0      # a step this many times its bucket's estimate waited for work: skip it
+SAMPLES_PER_BUCKET = 16   # a cost bucket's estimate: the median of its latest samples
 BUCKETS_PER_OCTAVE = 2
+# After this many steps in a row without a draft, one step drafts the full budget: it
+# re-measures what drafting costs and earns, which a policy that stopped drafting (under
+# load, or misled by noise) would otherwise never see again. Under load it costs ~1%.
+EXPLORE_AFTER = 100
 
 
 def check_policy(name: object) -> str:
@@ -108,61 +112,42 @@ def bucket(num_tokens: int) -> int:
     return round(BUCKETS_PER_OCTAVE * math.log2(max(num_tokens, 1)))
 
 
-class StepCostModel:
-    """T(n): seconds of an engine step that runs n tokens, as running means per bucket of
-    token counts (half-octaves) from the engine's own steps, linear in n between buckets
-    (a roofline: flat while the target is bound by reading weights, then rising per token).
+class CostModel:
+    """Seconds as a function of a size n (tokens a step runs; positions the heads draft):
+    per bucket of n (half-octaves), the median of its latest samples, which shrugs off a
+    step that waited for requests or lost the core; linear in n between buckets (a
+    roofline: flat while bound by reading weights, then rising per token) and never
+    falling as n grows (noise between buckets must not make drafts look cheaper than none).
 
     Outside what it has measured it guesses optimistically, so the policy tries the
     unmeasured side once and then knows it: above the largest bucket as flat (drafting
     looks free), below the smallest in proportion to n (not drafting looks cheap)."""
 
     def __init__(self):
-        self.seconds: dict[int, float] = {}
-        self.tokens: dict[int, float] = {}   # the bucket's mean token count, where its time is plotted
-        self.count: dict[int, int] = {}
+        self.samples: dict[int, deque[tuple[float, float]]] = {}   # bucket -> (n, seconds)
+        self._table: tuple[np.ndarray, np.ndarray] | None = None   # (n, seconds) per bucket, sorted
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        b = bucket(num_tokens)
-        if b in self.seconds and seconds > OUTLIER_FACTOR * self.seconds[b]:
-            return  # the engine waited for requests, or something else took the core
-        self.count[b] = self.count.get(b, 0) + 1
-        weight = max(COST_SMOOTHING, 1 / self.count[b])
-        self.seconds[b] = (1 - weight) * self.seconds.get(b, seconds) + weight * seconds
-        self.tokens[b] = (1 - weight) * self.tokens.get(b, num_tokens) + weight * num_tokens
+    def observe(self, n: int, seconds: float) -> None:
+        self.samples.setdefault(bucket(n), deque(maxlen=SAMPLES_PER_BUCKET)).append((n, seconds))
+        self._table = None
 
     def knows(self) -> bool:
-        return bool(self.seconds)
+        return bool(self.samples)
 
-    def predict(self, num_tokens: np.ndarray) -> np.ndarray:
-        keys = sorted(self.seconds)
-        xs = np.array([self.tokens[b] for b in keys])
-        # More tokens never take less time: without this, noise between buckets (or one
-        # measured long ago) would make some drafts look cheaper than none.
-        ys = np.maximum.accumulate([self.seconds[b] for b in keys])
-        n = np.maximum(np.asarray(num_tokens, dtype=np.float64), 1)
-        inside = np.interp(n, xs, ys)  # flat beyond the largest
-        return np.where(n < xs[0], ys[0] * n / xs[0], inside)
+    def table(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._table is None:
+            medians = np.array([np.median(self.samples[b], axis=0) for b in sorted(self.samples)])
+            self._table = medians[:, 0], np.maximum.accumulate(medians[:, 1])
+        return self._table
 
-    def table(self) -> dict[str, float]:
-        return {f"{self.tokens[b]:.1f}": round(self.seconds[b], 6) for b in sorted(self.seconds)}
+    def predict(self, n: np.ndarray) -> np.ndarray:
+        xs, ys = self.table()
+        n = np.maximum(np.asarray(n, dtype=np.float64), 1)
+        return np.where(n < xs[0], ys[0] * n / xs[0], np.interp(n, xs, ys))
 
-
-class HeadsCostModel:
-    """D(h): seconds the heads take to draft h positions in one step (their chain; the
-    augmenting block runs every step, so it is part of T)."""
-
-    def __init__(self):
-        self.per_head: float | None = None
-
-    def observe(self, num_heads: int, seconds: float) -> None:
-        if num_heads > 0:
-            sample = seconds / num_heads
-            self.per_head = sample if self.per_head is None else (
-                (1 - COST_SMOOTHING) * self.per_head + COST_SMOOTHING * sample)
-
-    def predict(self, num_heads: int) -> float:
-        return (self.per_head or 0.0) * num_heads
+    def as_dict(self) -> dict[str, float]:
+        xs, ys = self.table() if self.samples else ((), ())
+        return {f"{x:.1f}": round(float(y), 6) for x, y in zip(xs, ys)}
 
 
 def plan_lengths(rates: np.ndarray, budgets: list[int], base_tokens: int, step_time,
@@ -170,8 +155,9 @@ def plan_lengths(rates: np.ndarray, budgets: list[int], base_tokens: int, step_t
     """Per row, the draft length that maximises the step's goodput (module docstring).
 
     rates [R, K]: a_rj; budgets [R] (<= K); base_tokens: tokens the next step runs without
-    drafts; step_time(n array) -> seconds; heads_time(h) -> seconds of drafting h positions
-    this step, or None when the heads have already run (their time is spent either way)."""
+    drafts; step_time(n array) -> seconds; heads_time(h array) -> seconds of drafting h
+    positions this step (0 for none), or None when the heads have already run (their time is
+    spent either way)."""
     R, K = rates.shape
     marginals = np.cumprod(rates, axis=1)                       # [R, K] prod_{j<=i} a_rj
     allowed = np.arange(K)[None, :] < np.asarray(budgets)[:, None]
@@ -180,7 +166,7 @@ def plan_lengths(rates: np.ndarray, budgets: list[int], base_tokens: int, step_t
     seconds = step_time(base_tokens + np.arange(len(gains)))
     if heads_time is not None:
         deepest = np.concatenate([[0], np.maximum.accumulate(order % K + 1)])  # heads needed for N drafts
-        seconds = seconds + np.array([heads_time(int(h)) for h in deepest])
+        seconds = seconds + heads_time(deepest)
     best = int(np.argmax((R + gains) / seconds))
     lengths = np.zeros(R, dtype=np.int64)
     np.add.at(lengths, order[:best] // K, 1)
@@ -220,10 +206,11 @@ class GoodputPolicy:
 
     def __init__(self, num_positions: int, clock: Callable[[], float] = time.perf_counter):
         self.acceptance = AcceptanceModel(num_positions)
-        self.step_cost = StepCostModel()
-        self.heads_cost = HeadsCostModel()
+        self.step_cost = CostModel()    # by tokens the step runs
+        self.heads_cost = CostModel()   # by positions the heads draft
         self.clock = clock
         self.base_tokens = 1
+        self.steps_without_drafts = 0
         self._last_step_start: float | None = None
         self._heads_seconds = 0.0
         self._heads_run = 0
@@ -251,7 +238,8 @@ class GoodputPolicy:
 
     def heads_timed(self, seconds: float) -> None:
         self._heads_seconds = seconds
-        self.heads_cost.observe(self._heads_run, seconds)
+        if self._heads_run:
+            self.heads_cost.observe(self._heads_run, seconds)
 
     def end_step(self, req_ids: list[str]) -> None:
         """The request id of each row that `lengths` was given, in the same order."""
@@ -262,14 +250,16 @@ class GoodputPolicy:
     def heads_to_run(self, budgets: list[int]) -> int:
         """Before any head runs (Clover): how many positions are worth drafting for an average
         request of this batch; 0 skips the heads. Until the policy has measured the heads'
-        confidence, their time and the step time, the full budget."""
+        confidence, their time and the step time, and when exploring, the full budget."""
         deepest = max(budgets, default=0)
         mean = self.acceptance.mean_rates()
-        if deepest and mean is not None and self.step_cost.knows() and self.heads_cost.per_head is not None:
+        if deepest and not self._exploring() and mean is not None and self.step_cost.knows() \
+                and self.heads_cost.knows():
             rates = np.broadcast_to(mean[:deepest], (len(budgets), deepest))
-            deepest = max(plan_lengths(rates, budgets, self.base_tokens, self.step_cost.predict,
-                                       self.heads_cost.predict))
+            deepest = max(plan_lengths(rates, budgets, self.base_tokens, self.step_cost.predict, self._heads_time))
         self._heads_run = deepest
+        if deepest == 0:
+            self.steps_without_drafts += 1
         return deepest
 
     def lengths(self, confidence: np.ndarray, budgets: list[int], heads_to_run: bool = False) -> list[int]:
@@ -277,24 +267,30 @@ class GoodputPolicy:
         top-1 probability; CLP: P(L >= j) / P(L >= j-1)). `heads_to_run`: the heads have not
         run yet (CLP), so their time depends on the lengths chosen."""
         self.acceptance.note_confidence(confidence)
-        if self.step_cost.knows():
-            heads_time = self.heads_cost.predict if heads_to_run else None
+        if self.step_cost.knows() and not self._exploring() and (self.heads_cost.knows() or not heads_to_run):
             lengths = plan_lengths(self.acceptance.rates(confidence), budgets, self.base_tokens,
-                                   self.step_cost.predict, heads_time)
+                                   self.step_cost.predict, self._heads_time if heads_to_run else None)
         else:
             lengths = list(budgets)
         if heads_to_run:
             self._heads_run = max(lengths, default=0)
+        self.steps_without_drafts = 0 if any(lengths) else self.steps_without_drafts + 1
         self._confidence = [row[:n] for row, n in zip(confidence, lengths)]
         return lengths
 
+    def _exploring(self) -> bool:
+        return self.steps_without_drafts >= EXPLORE_AFTER
+
+    def _heads_time(self, positions: np.ndarray) -> np.ndarray:
+        return np.where(positions > 0, self.heads_cost.predict(positions), 0.0)
+
     def summary(self) -> dict:
-        """The policy's models, for the benchmark JSON: the step-time table, the heads' time
+        """The policy's models, for the benchmark JSON: the step-time and heads-time tables
         and the calibrated acceptance."""
         mean = self.acceptance.mean_rates()
         return {
-            "step_seconds_by_tokens": self.step_cost.table(),
-            "heads_seconds_per_position": self.heads_cost.per_head,
+            "step_seconds_by_tokens": self.step_cost.as_dict(),
+            "heads_seconds_by_positions": self.heads_cost.as_dict(),
             "mean_acceptance_rate_per_position": None if mean is None else [round(float(x), 4) for x in mean],
             "judged_drafts_per_position": self.acceptance.tried.sum(1).astype(int).tolist(),
         }
