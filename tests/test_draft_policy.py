@@ -12,6 +12,7 @@ from vllm_clover.clover import CloverConfig, CloverHeads
 from vllm_clover.clp import ClpHeads
 from vllm_clover.draft_policy import (
     EXPLORE_AFTER,
+    EXPLORE_STEPS,
     AcceptanceModel,
     CostModel,
     GoodputPolicy,
@@ -134,7 +135,8 @@ def test_a_policy_that_stopped_drafting_looks_again_now_and_then():
     c = Clock()
     steps = run_steps(GoodputPolicy(K, clock=c), c, 64, roofline(), steps=30 + 2 * EXPLORE_AFTER)
     explored = [s for s in steps[30:] if sum(s)]
-    assert explored == [[K] * 64] * 2  # one full-budget step per EXPLORE_AFTER steps without drafts
+    # EXPLORE_STEPS full-budget steps in a row per EXPLORE_AFTER steps without drafts
+    assert explored == [[K] * 64] * (2 * EXPLORE_STEPS)
 
 
 def test_goodput_is_the_default_and_other_names_are_refused():

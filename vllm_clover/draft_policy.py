@@ -32,6 +32,7 @@ drafts its budget, CLP thresholds its predicted length at tau.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import deque
 from typing import Callable
@@ -45,10 +46,13 @@ CONFIDENCE_BINS = 10
 PRIOR_WEIGHT = 8.0        # pseudo-observations behind each prior acceptance rate
 SAMPLES_PER_BUCKET = 16   # a cost bucket's estimate: the median of its latest samples
 BUCKETS_PER_OCTAVE = 2
-# After this many steps in a row without a draft, one step drafts the full budget: it
-# re-measures what drafting costs and earns, which a policy that stopped drafting (under
-# load, or misled by noise) would otherwise never see again. Under load it costs ~1%.
-EXPLORE_AFTER = 100
+# After EXPLORE_AFTER steps in a row without a draft, EXPLORE_STEPS steps draft the full
+# budget: they re-measure what drafting costs and earns, which a policy that stopped
+# drafting (under load, or misled by noise) would otherwise never see again. Several in a
+# row, because the first drafting step after a long pause runs on cold caches and costs
+# more than drafting does in steady state. Under load it costs ~2% of the steps.
+EXPLORE_AFTER = 200
+EXPLORE_STEPS = 4
 
 
 def check_policy(name: object) -> str:
@@ -124,11 +128,15 @@ class CostModel:
     looks free), below the smallest in proportion to n (not drafting looks cheap)."""
 
     def __init__(self):
-        self.samples: dict[int, deque[tuple[float, float]]] = {}   # bucket -> (n, seconds)
+        self.samples: dict[int, deque[tuple[float, float]]] = {}   # bucket -> its latest (n, seconds)
+        self.medians: dict[int, tuple[float, float]] = {}
         self._table: tuple[np.ndarray, np.ndarray] | None = None   # (n, seconds) per bucket, sorted
 
     def observe(self, n: int, seconds: float) -> None:
-        self.samples.setdefault(bucket(n), deque(maxlen=SAMPLES_PER_BUCKET)).append((n, seconds))
+        b = bucket(n)
+        samples = self.samples.setdefault(b, deque(maxlen=SAMPLES_PER_BUCKET))
+        samples.append((n, seconds))
+        self.medians[b] = (statistics.median(x for x, _ in samples), statistics.median(y for _, y in samples))
         self._table = None
 
     def knows(self) -> bool:
@@ -136,7 +144,7 @@ class CostModel:
 
     def table(self) -> tuple[np.ndarray, np.ndarray]:
         if self._table is None:
-            medians = np.array([np.median(self.samples[b], axis=0) for b in sorted(self.samples)])
+            medians = np.array([self.medians[b] for b in sorted(self.medians)])
             self._table = medians[:, 0], np.maximum.accumulate(medians[:, 1])
         return self._table
 
@@ -211,6 +219,7 @@ class GoodputPolicy:
         self.clock = clock
         self.base_tokens = 1
         self.steps_without_drafts = 0
+        self.exploring_steps_left = 0
         self._last_step_start: float | None = None
         self._heads_seconds = 0.0
         self._heads_run = 0
@@ -253,7 +262,7 @@ class GoodputPolicy:
         confidence, their time and the step time, and when exploring, the full budget."""
         deepest = max(budgets, default=0)
         mean = self.acceptance.mean_rates()
-        if deepest and not self._exploring() and mean is not None and self.step_cost.knows() \
+        if deepest and not self._explore_now() and mean is not None and self.step_cost.knows() \
                 and self.heads_cost.knows():
             rates = np.broadcast_to(mean[:deepest], (len(budgets), deepest))
             deepest = max(plan_lengths(rates, budgets, self.base_tokens, self.step_cost.predict, self._heads_time))
@@ -267,19 +276,22 @@ class GoodputPolicy:
         top-1 probability; CLP: P(L >= j) / P(L >= j-1)). `heads_to_run`: the heads have not
         run yet (CLP), so their time depends on the lengths chosen."""
         self.acceptance.note_confidence(confidence)
-        if self.step_cost.knows() and not self._exploring() and (self.heads_cost.knows() or not heads_to_run):
+        if self.step_cost.knows() and not self._explore_now() and (self.heads_cost.knows() or not heads_to_run):
             lengths = plan_lengths(self.acceptance.rates(confidence), budgets, self.base_tokens,
                                    self.step_cost.predict, self._heads_time if heads_to_run else None)
         else:
             lengths = list(budgets)
         if heads_to_run:
             self._heads_run = max(lengths, default=0)
+        self.exploring_steps_left = max(self.exploring_steps_left - 1, 0)
         self.steps_without_drafts = 0 if any(lengths) else self.steps_without_drafts + 1
         self._confidence = [row[:n] for row, n in zip(confidence, lengths)]
         return lengths
 
-    def _exploring(self) -> bool:
-        return self.steps_without_drafts >= EXPLORE_AFTER
+    def _explore_now(self) -> bool:
+        if self.steps_without_drafts >= EXPLORE_AFTER:
+            self.exploring_steps_left, self.steps_without_drafts = EXPLORE_STEPS, 0
+        return self.exploring_steps_left > 0
 
     def _heads_time(self, positions: np.ndarray) -> np.ndarray:
         return np.where(positions > 0, self.heads_cost.predict(positions), 0.0)
