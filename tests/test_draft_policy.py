@@ -17,6 +17,7 @@ from vllm_clover.draft_policy import (
     CostModel,
     GoodputPolicy,
     check_policy,
+    non_decreasing,
     plan_lengths,
 )
 from vllm_clover.layers import DenseLmHead
@@ -87,8 +88,14 @@ def test_step_cost_interpolates_and_guesses_the_unmeasured_side_cheap():
     assert predicted[0] == pytest.approx(0.0025)       # below: in proportion, so not drafting gets tried
     cost.observe(4, 10.0)  # the engine sat idle: not a step's cost (the median of its bucket)
     assert cost.predict(np.array([4]))[0] == pytest.approx(0.010)
-    cost.observe(8, 0.005)  # noise, or a bucket measured under another load
-    assert cost.predict(np.array([8]))[0] == pytest.approx(0.010)  # never cheaper than fewer tokens
+    cost.observe(8, 0.005)  # noise, or a bucket measured under another load: outvoted by its neighbour
+    assert cost.predict(np.array([4]))[0] == pytest.approx(cost.predict(np.array([8]))[0])
+    assert 0.005 < cost.predict(np.array([8]))[0] < 0.010
+
+
+def test_non_decreasing_pools_violators_by_weight():
+    assert non_decreasing(np.array([1.0, 5.0, 3.0, 6.0]), [1, 1, 3, 1]).tolist() == [1.0, 3.5, 3.5, 6.0]
+    assert non_decreasing(np.array([2.0, 1.0]), [1, 1]).tolist() == [1.5, 1.5]
 
 
 class Clock:

@@ -121,7 +121,8 @@ class CostModel:
     per bucket of n (half-octaves), the median of its latest samples, which shrugs off a
     step that waited for requests or lost the core; linear in n between buckets (a
     roofline: flat while bound by reading weights, then rising per token) and never
-    falling as n grows (noise between buckets must not make drafts look cheaper than none).
+    falling as n grows (`non_decreasing`: noise between buckets must not make drafts look
+    cheaper than none).
 
     Outside what it has measured it guesses optimistically, so the policy tries the
     unmeasured side once and then knows it: above the largest bucket as flat (drafting
@@ -144,8 +145,9 @@ class CostModel:
 
     def table(self) -> tuple[np.ndarray, np.ndarray]:
         if self._table is None:
-            medians = np.array([self.medians[b] for b in sorted(self.medians)])
-            self._table = medians[:, 0], np.maximum.accumulate(medians[:, 1])
+            keys = sorted(self.medians)
+            medians = np.array([self.medians[b] for b in keys])
+            self._table = medians[:, 0], non_decreasing(medians[:, 1], [len(self.samples[b]) for b in keys])
         return self._table
 
     def predict(self, n: np.ndarray) -> np.ndarray:
@@ -156,6 +158,19 @@ class CostModel:
     def as_dict(self) -> dict[str, float]:
         xs, ys = self.table() if self.samples else ((), ())
         return {f"{x:.1f}": round(float(y), 6) for x, y in zip(xs, ys)}
+
+
+def non_decreasing(values: np.ndarray, weights: list[int]) -> np.ndarray:
+    """The closest non-decreasing sequence (weighted least squares: pool adjacent
+    violators), so a bucket of a few slow samples is outvoted by better-measured neighbours
+    instead of lifting everything after it."""
+    blocks: list[list[float]] = []  # [weighted mean, weight, length]
+    for value, weight in zip(values, weights):
+        blocks.append([float(value), float(weight), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, w1, n1), (m2, w2, n2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return np.array([mean for mean, _, length in blocks for _ in range(length)])
 
 
 def plan_lengths(rates: np.ndarray, budgets: list[int], base_tokens: int, step_time,
@@ -230,9 +245,9 @@ class GoodputPolicy:
 
     def observe_step(self, num_tokens: int, base_tokens: int, verified: dict[str, int],
                      accepted: dict[str, int]) -> None:
-        """At the start of a draft step: this step ran `num_tokens` tokens, `base_tokens` of
-        them not drafts (what the next step runs before drafts); per request id, how many of
-        its drafts were verified and how many accepted."""
+        """At the start of a draft step: this step ran `num_tokens` tokens; the next one runs
+        `base_tokens` before drafts; per request id, how many of its drafts were verified and
+        how many accepted."""
         now = self.clock()
         if self._last_step_start is not None:
             # Since the last draft step began: its heads, then this whole engine step.
