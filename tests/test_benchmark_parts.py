@@ -175,5 +175,5 @@ def test_interleaved_rounds_with_profile_in_real_engines(tmp_path, monkeypatch):
     assert fixed["drafting"]["draft_tokens_per_request_step"] == 4.0 and fixed["drafting"]["policy"] is None
     assert "drafting" not in medusa
     policy = goodput["drafting"]["policy"]
-    assert policy["step_seconds_by_tokens"] and sum(policy["judged_drafts_per_position"]) > 0
+    assert policy["step_seconds_by_requests_and_tokens"] and sum(policy["judged_drafts_per_position"]) > 0
     assert "Where a step's time goes" in report.markdown(result, tmp_path / "r.json")

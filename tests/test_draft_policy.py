@@ -88,7 +88,10 @@ def test_step_cost_interpolates_and_guesses_the_unmeasured_side_cheap():
     assert predicted[0] == pytest.approx(0.0025)       # below: in proportion, so not drafting gets tried
     cost.observe(4, 10.0)  # the engine sat idle: not a step's cost (the median of its bucket)
     assert cost.predict(np.array([4]))[0] == pytest.approx(0.010)
-    cost.observe(8, 0.005)  # noise, or a bucket measured under another load: outvoted by its neighbour
+    cost.observe(32, 1.0)  # one sample is not yet an estimate
+    assert cost.predict(np.array([32]))[0] == pytest.approx(0.022)
+    for _ in range(3):  # noise, or a bucket measured under another load: outvoted by its neighbour
+        cost.observe(8, 0.005)
     assert cost.predict(np.array([4]))[0] == pytest.approx(cost.predict(np.array([8]))[0])
     assert 0.005 < cost.predict(np.array([8]))[0] < 0.010
 
@@ -113,7 +116,7 @@ def run_steps(policy: GoodputPolicy, clock: Clock, num_requests: int, step_time,
     for _ in range(steps):
         tokens = num_requests + sum(drafted)
         clock.now += float(step_time(tokens))
-        policy.observe_step(tokens, num_requests, dict(zip(ids, drafted)),
+        policy.observe_step(tokens, num_requests, num_requests, dict(zip(ids, drafted)),
                             {r: min(accept, n) for r, n in zip(ids, drafted)})
         budgets = [K] * num_requests
         depth = policy.heads_to_run(budgets)
@@ -162,9 +165,11 @@ def test_heads_follow_the_policy():
                                       num_attention_heads=2, num_key_value_heads=2, head_dim=8))
     h, first = torch.randn(3, H), torch.tensor([1, 2, 3])
     policy = GoodputPolicy(K, clock=Clock())
+    policy.observe_step(num_tokens=3, num_requests=3, base_tokens=3, verified={}, accepted={})
     assert [len(d) for d in clover.propose(h, first, lm_head, [4, 2, 0], policy)] == [4, 2, 0]
-    policy.step_cost.observe(3, 0.01)  # from here on, every extra token costs in proportion
-    policy.heads_cost.observe(1, 0.01)
+    for _ in range(3):  # heads that cost as much as a step, drafting tokens it rarely gets right
+        policy.step_costs.observe(3, 3, 0.01)
+        policy.heads_costs.observe(3, 1, 0.01)
     policy.acceptance.note_confidence(np.full((1, K), 0.05))
     assert clover.draft_depth([4, 4, 4], policy) == 0
 
@@ -173,6 +178,8 @@ def test_heads_follow_the_policy():
         clp.length.weight.zero_()
         clp.length.bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.0, 20.0]))  # P(L* = 4) ~ 1
     flat = GoodputPolicy(K, clock=Clock())
-    flat.step_cost.observe(1, 0.01)
-    flat.heads_cost.observe(1, 0.0001)
+    flat.observe_step(num_tokens=3, num_requests=3, base_tokens=3, verified={}, accepted={})
+    for _ in range(3):  # cheap heads, and a step whose time no draft changes
+        flat.step_costs.observe(3, 3, 0.01)
+        flat.heads_costs.observe(3, 1, 0.0001)
     assert [len(d) for d in clp.propose(h, first, lm_head, [4, 3, 1], flat)] == [4, 3, 1]

@@ -44,7 +44,8 @@ DEFAULT_POLICY = "goodput"
 
 CONFIDENCE_BINS = 10
 PRIOR_WEIGHT = 8.0        # pseudo-observations behind each prior acceptance rate
-SAMPLES_PER_BUCKET = 16   # a cost bucket's estimate: the median of its latest samples
+SAMPLES_PER_BUCKET = 16   # a cost bucket's estimate: the median of its latest samples,
+MIN_SAMPLES = 3           # once it has this many
 BUCKETS_PER_OCTAVE = 2
 # After EXPLORE_AFTER steps in a row without a draft, EXPLORE_STEPS steps draft the full
 # budget: they re-measure what drafting costs and earns, which a policy that stopped
@@ -141,11 +142,11 @@ class CostModel:
         self._table = None
 
     def knows(self) -> bool:
-        return bool(self.samples)
+        return any(len(samples) >= MIN_SAMPLES for samples in self.samples.values())
 
     def table(self) -> tuple[np.ndarray, np.ndarray]:
         if self._table is None:
-            keys = sorted(self.medians)
+            keys = sorted(b for b in self.medians if len(self.samples[b]) >= MIN_SAMPLES)
             medians = np.array([self.medians[b] for b in keys])
             self._table = medians[:, 0], non_decreasing(medians[:, 1], [len(self.samples[b]) for b in keys])
         return self._table
@@ -156,8 +157,29 @@ class CostModel:
         return np.where(n < xs[0], ys[0] * n / xs[0], np.interp(n, xs, ys))
 
     def as_dict(self) -> dict[str, float]:
-        xs, ys = self.table() if self.samples else ((), ())
+        xs, ys = self.table() if self.knows() else ((), ())
         return {f"{x:.1f}": round(float(y), 6) for x, y in zip(xs, ys)}
+
+
+class CostsByBatch:
+    """One CostModel per bucket of batch size: a step's time depends on how many requests it
+    carries (attention, sampling and bookkeeping per request), not only on its tokens, and
+    a policy only ever chooses between loads of the batch it has."""
+
+    def __init__(self):
+        self.models: dict[int, CostModel] = {}
+
+    def observe(self, requests: int, n: int, seconds: float) -> None:
+        self.models.setdefault(bucket(requests), CostModel()).observe(n, seconds)
+
+    def model(self, requests: int) -> CostModel | None:
+        """The batch's model once it has measured anything, else None."""
+        found = self.models.get(bucket(requests))
+        return found if found is not None and found.knows() else None
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        return {f"{2 ** (b / BUCKETS_PER_OCTAVE):.0f}": m.as_dict() for b, m in sorted(self.models.items())
+                if m.knows()}
 
 
 def non_decreasing(values: np.ndarray, weights: list[int]) -> np.ndarray:
@@ -229,8 +251,8 @@ class GoodputPolicy:
 
     def __init__(self, num_positions: int, clock: Callable[[], float] = time.perf_counter):
         self.acceptance = AcceptanceModel(num_positions)
-        self.step_cost = CostModel()    # by tokens the step runs
-        self.heads_cost = CostModel()   # by positions the heads draft
+        self.step_costs = CostsByBatch()    # by requests, then tokens the step runs
+        self.heads_costs = CostsByBatch()   # by rows, then positions the heads draft
         self.clock = clock
         self.base_tokens = 1
         self.steps_without_drafts = 0
@@ -238,20 +260,21 @@ class GoodputPolicy:
         self._last_step_start: float | None = None
         self._heads_seconds = 0.0
         self._heads_run = 0
+        self._rows = 0
         self._confidence: list[np.ndarray] = []     # this step's rows, in row order
         self._pending: dict[str, np.ndarray] = {}   # request id -> its drafts' confidences
 
     # ---- the runner hook ----
 
-    def observe_step(self, num_tokens: int, base_tokens: int, verified: dict[str, int],
+    def observe_step(self, num_tokens: int, num_requests: int, base_tokens: int, verified: dict[str, int],
                      accepted: dict[str, int]) -> None:
-        """At the start of a draft step: this step ran `num_tokens` tokens; the next one runs
-        `base_tokens` before drafts; per request id, how many of its drafts were verified and
-        how many accepted."""
+        """At the start of a draft step: this step ran `num_tokens` tokens for `num_requests`
+        requests; the next one runs `base_tokens` before drafts; per request id, how many of
+        its drafts were verified and how many accepted."""
         now = self.clock()
         if self._last_step_start is not None:
             # Since the last draft step began: its heads, then this whole engine step.
-            self.step_cost.observe(num_tokens, now - self._last_step_start - self._heads_seconds)
+            self.step_costs.observe(num_requests, num_tokens, now - self._last_step_start - self._heads_seconds)
         self._last_step_start, self._heads_seconds, self._heads_run = now, 0.0, 0
         self.base_tokens = max(base_tokens, 1)
         for req_id, confidence in self._pending.items():
@@ -263,7 +286,7 @@ class GoodputPolicy:
     def heads_timed(self, seconds: float) -> None:
         self._heads_seconds = seconds
         if self._heads_run:
-            self.heads_cost.observe(self._heads_run, seconds)
+            self.heads_costs.observe(self._rows, self._heads_run, seconds)
 
     def end_step(self, req_ids: list[str]) -> None:
         """The request id of each row that `lengths` was given, in the same order."""
@@ -274,13 +297,14 @@ class GoodputPolicy:
     def heads_to_run(self, budgets: list[int]) -> int:
         """Before any head runs (Clover): how many positions are worth drafting for an average
         request of this batch; 0 skips the heads. Until the policy has measured the heads'
-        confidence, their time and the step time, and when exploring, the full budget."""
-        deepest = max(budgets, default=0)
+        confidence, their time and the step time at this batch size, and when exploring,
+        the full budget."""
+        deepest, self._rows = max(budgets, default=0), len(budgets)
         mean = self.acceptance.mean_rates()
-        if deepest and not self._explore_now() and mean is not None and self.step_cost.knows() \
-                and self.heads_cost.knows():
+        costs = self._costs(with_heads=True)
+        if deepest and not self._explore_now() and mean is not None and costs is not None:
             rates = np.broadcast_to(mean[:deepest], (len(budgets), deepest))
-            deepest = max(plan_lengths(rates, budgets, self.base_tokens, self.step_cost.predict, self._heads_time))
+            deepest = max(plan_lengths(rates, budgets, self.base_tokens, *costs))
         self._heads_run = deepest
         if deepest == 0:
             self.steps_without_drafts += 1
@@ -290,10 +314,11 @@ class GoodputPolicy:
         """confidence [R, k]: the heads' estimate per row and position (Clover: each head's
         top-1 probability; CLP: P(L >= j) / P(L >= j-1)). `heads_to_run`: the heads have not
         run yet (CLP), so their time depends on the lengths chosen."""
+        self._rows = len(budgets)
         self.acceptance.note_confidence(confidence)
-        if self.step_cost.knows() and not self._explore_now() and (self.heads_cost.knows() or not heads_to_run):
-            lengths = plan_lengths(self.acceptance.rates(confidence), budgets, self.base_tokens,
-                                   self.step_cost.predict, self._heads_time if heads_to_run else None)
+        costs = self._costs(with_heads=heads_to_run)
+        if costs is not None and not self._explore_now():
+            lengths = plan_lengths(self.acceptance.rates(confidence), budgets, self.base_tokens, *costs)
         else:
             lengths = list(budgets)
         if heads_to_run:
@@ -303,21 +328,28 @@ class GoodputPolicy:
         self._confidence = [row[:n] for row, n in zip(confidence, lengths)]
         return lengths
 
+    def _costs(self, with_heads: bool):
+        """(step_time, heads_time or None) for this batch, or None while either is unmeasured."""
+        step = self.step_costs.model(self.base_tokens)
+        if not with_heads:
+            return None if step is None else (step.predict, None)
+        heads = self.heads_costs.model(self._rows)
+        if step is None or heads is None:
+            return None
+        return step.predict, lambda positions: np.where(positions > 0, heads.predict(positions), 0.0)
+
     def _explore_now(self) -> bool:
         if self.steps_without_drafts >= EXPLORE_AFTER:
             self.exploring_steps_left, self.steps_without_drafts = EXPLORE_STEPS, 0
         return self.exploring_steps_left > 0
-
-    def _heads_time(self, positions: np.ndarray) -> np.ndarray:
-        return np.where(positions > 0, self.heads_cost.predict(positions), 0.0)
 
     def summary(self) -> dict:
         """The policy's models, for the benchmark JSON: the step-time and heads-time tables
         and the calibrated acceptance."""
         mean = self.acceptance.mean_rates()
         return {
-            "step_seconds_by_tokens": self.step_cost.as_dict(),
-            "heads_seconds_by_positions": self.heads_cost.as_dict(),
+            "step_seconds_by_requests_and_tokens": self.step_costs.as_dict(),
+            "heads_seconds_by_rows_and_positions": self.heads_costs.as_dict(),
             "mean_acceptance_rate_per_position": None if mean is None else [round(float(x), 4) for x in mean],
             "judged_drafts_per_position": self.acceptance.tried.sum(1).astype(int).tolist(),
         }

@@ -79,7 +79,7 @@ def report_step(policy: GoodputPolicy, req_ids: list[str | None], sampled_token_
     verified = dict(zip(req_ids, num_draft_tokens or []))
     accepted = {req_id: len(sampled) - 1 for req_id, sampled in zip(req_ids, sampled_token_ids) if sampled}
     verified = {req_id: n for req_id, n in verified.items() if req_id in accepted}
-    policy.observe_step(num_tokens, len(accepted), verified, accepted)
+    policy.observe_step(num_tokens, len(sampled_token_ids), len(accepted), verified, accepted)
 
 
 LOG_INTERVAL_SECONDS = 30.0
