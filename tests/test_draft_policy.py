@@ -145,7 +145,7 @@ def test_a_policy_that_stopped_drafting_looks_again_now_and_then():
     c = Clock()
     steps = run_steps(GoodputPolicy(K, clock=c), c, 64, roofline(), steps=30 + 2 * EXPLORE_AFTER)
     explored = [s for s in steps[30:] if sum(s)]
-    # EXPLORE_STEPS full-budget steps in a row per EXPLORE_AFTER steps without drafts
+    # EXPLORE_STEPS full-budget steps in a row per EXPLORE_AFTER steps without
     assert explored == [[K] * 64] * (2 * EXPLORE_STEPS)
 
 

@@ -47,11 +47,12 @@ PRIOR_WEIGHT = 8.0        # pseudo-observations behind each prior acceptance rat
 SAMPLES_PER_BUCKET = 16   # a cost bucket's estimate: the median of its latest samples,
 MIN_SAMPLES = 3           # once it has this many
 BUCKETS_PER_OCTAVE = 2
-# After EXPLORE_AFTER steps in a row without a draft, EXPLORE_STEPS steps draft the full
-# budget: they re-measure what drafting costs and earns, which a policy that stopped
-# drafting (under load, or misled by noise) would otherwise never see again. Several in a
-# row, because the first drafting step after a long pause runs on cold caches and costs
-# more than drafting does in steady state. Under load it costs ~2% of the steps.
+# Every EXPLORE_AFTER steps without one, EXPLORE_STEPS steps draft the full budget: they
+# re-measure what the deepest drafts cost and earn, which a policy that stopped drafting
+# (under load) or drafts shallowly would otherwise never see again, leaving stale (often
+# start-up) figures in charge. Several in a row, because the first drafting step after a
+# pause runs on cold caches and costs more than drafting does in steady state. Under load
+# it costs ~1-2% of the throughput.
 EXPLORE_AFTER = 200
 EXPLORE_STEPS = 4
 
@@ -255,7 +256,7 @@ class GoodputPolicy:
         self.heads_costs = CostsByBatch()   # by rows, then positions the heads draft
         self.clock = clock
         self.base_tokens = 1
-        self.steps_without_drafts = 0
+        self.steps_since_full_budget = 0
         self.exploring_steps_left = 0
         self._last_step_start: float | None = None
         self._heads_seconds = 0.0
@@ -307,7 +308,7 @@ class GoodputPolicy:
             deepest = max(plan_lengths(rates, budgets, self.base_tokens, *costs))
         self._heads_run = deepest
         if deepest == 0:
-            self.steps_without_drafts += 1
+            self.steps_since_full_budget += 1
         return deepest
 
     def lengths(self, confidence: np.ndarray, budgets: list[int], heads_to_run: bool = False) -> list[int]:
@@ -324,7 +325,7 @@ class GoodputPolicy:
         if heads_to_run:
             self._heads_run = max(lengths, default=0)
         self.exploring_steps_left = max(self.exploring_steps_left - 1, 0)
-        self.steps_without_drafts = 0 if any(lengths) else self.steps_without_drafts + 1
+        self.steps_since_full_budget = 0 if lengths == list(budgets) else self.steps_since_full_budget + 1
         self._confidence = [row[:n] for row, n in zip(confidence, lengths)]
         return lengths
 
@@ -339,8 +340,8 @@ class GoodputPolicy:
         return step.predict, lambda positions: np.where(positions > 0, heads.predict(positions), 0.0)
 
     def _explore_now(self) -> bool:
-        if self.steps_without_drafts >= EXPLORE_AFTER:
-            self.exploring_steps_left, self.steps_without_drafts = EXPLORE_STEPS, 0
+        if self.steps_since_full_budget >= EXPLORE_AFTER:
+            self.exploring_steps_left, self.steps_since_full_budget = EXPLORE_STEPS, 0
         return self.exploring_steps_left > 0
 
     def summary(self) -> dict:
