@@ -392,7 +392,7 @@ def summarize(rounds: list[dict]) -> dict:
         "outputs": outputs,
         **acceptance(spec),
     }
-    drafted = [r["drafting"] for r in rounds if r["drafting"]]
+    drafted = [r["drafting"] for r in rounds if r.get("drafting")]
     if drafted:  # our heads: what they drafted per request and step (the median round), the policy's models
         result["drafting"] = sorted(drafted, key=lambda d: d["draft_tokens_per_request_step"])[len(drafted) // 2]
     by_category = {}

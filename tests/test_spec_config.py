@@ -49,7 +49,8 @@ def test_our_method_names_ride_the_medusa_carrier(demo_base, method, arch, trust
     assert spec.num_speculative_tokens == 4
     assert spec.draft_model_config.architectures == [arch]
     assert getattr(spec.draft_model_config.hf_config, SERVING_ATTR) == {
-        "method": method.removesuffix("-trust"), "trust_drafts": trust, "hyper_overrides": {}}
+        "method": method.removesuffix("-trust"), "trust_drafts": trust, "hyper_overrides": {},
+        "draft_policy": "goodput"}
     # GPUs default to Model Runner V2, where our runner hook does not exist; vLLM falls back
     # to the V1 runner for the features it lists here, and our methods must stay on that list.
     assert "speculative method 'medusa'" in config._get_v2_model_runner_unsupported_features()
@@ -81,6 +82,16 @@ def test_clp_threshold_can_be_set_per_engine(demo_base):
         engine_config(demo_base, {**speculative("clp"), "clp_tau": 2})
     with pytest.raises(SpecConfigError, match="clp_tau is an option of clp heads, not of clover heads"):
         engine_config(demo_base, {**speculative("clover"), "clp_tau": 0.3})
+
+
+def test_draft_policy_is_goodput_unless_fixed_is_asked_for(demo_base):
+    spec = engine_config(demo_base, {**speculative("clover"), "draft_policy": "fixed"}).speculative_config
+    assert getattr(spec.draft_model_config.hf_config, SERVING_ATTR)["draft_policy"] == "fixed"
+    with pytest.raises(SpecConfigError, match="draft_policy must be one of 'goodput', 'fixed', got 'always'"):
+        engine_config(demo_base, {**speculative("clp"), "draft_policy": "always"})
+    with pytest.raises(SpecConfigError, match="draft_policy is an option of the plugin's methods "
+                                              r"\(clover, clp\), not of medusa heads"):
+        engine_config(demo_base, {**speculative("medusa"), "draft_policy": "fixed"})
 
 
 def test_too_many_speculative_tokens(demo_base):
