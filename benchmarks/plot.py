@@ -1,8 +1,9 @@
 """PNG plots of a benchmarks.run results file: throughput, speed-up and acceptance by batch
-size; speed-up by Spec-Bench task when the run has categories; and, for the demo heads, the
-per-head accuracy ablation (their eval-heldout.json files).
+size; what our heads drafted per request and step, when the run recorded it; speed-up by
+Spec-Bench task when the run has categories; and, for the demo heads, the per-head accuracy
+ablation (their eval-heldout.json files).
 
-    python -m benchmarks.plot benchmarks/results/results.json --out benchmarks/results
+    python -m benchmarks.plot benchmarks/results/results.json      # -> benchmarks/results/*.png
 """
 
 from __future__ import annotations
@@ -71,6 +72,16 @@ def line_plot(series, ylabel: str, title: str, path: Path, baseline: float | Non
     save(fig, ax, "batch size (concurrent requests)", ylabel, title, path)
 
 
+def drafted_series(results: dict) -> dict[str, tuple[list[int], list[float]]]:
+    series = {}
+    for method, by_batch in results.items():
+        points = sorted((int(b), r["drafting"]["draft_tokens_per_request_step"]) for b, r in by_batch.items()
+                        if "drafting" in r)
+        if points:
+            series[method] = ([b for b, _ in points], [v for _, v in points])
+    return series
+
+
 def acceptance_plot(results: dict, path: Path) -> None:
     """Acceptance rate per draft position, pooled over batch sizes (drafts don't depend on them)."""
     fig, ax = new_axes()
@@ -116,11 +127,19 @@ def plot_names(report: dict) -> list[str]:
     """The plots a results file gets (the report links the same names)."""
     results = report["results"]
     names = ["throughput", "speedup", "acceptance"]
+    if any("drafting" in r for by_batch in results.values() for r in by_batch.values()):
+        names.append("drafted")
     if any("by_category" in r.get("1", {}) for r in results.values()):
         names.append("categories")
     if bundled_heads(report) == HEADS.name:
         names.append("ablation")
     return names
+
+
+def plots_dir(results_file: Path) -> Path:
+    """Where a results file's plots live: next to a `results.json`, else in a folder named
+    after the file (benchmarks/results/policy/demo.json -> benchmarks/results/policy/demo/)."""
+    return results_file.parent if results_file.stem == "results" else results_file.parent / results_file.stem
 
 
 def bundled_heads(report: dict) -> str:
@@ -143,6 +162,8 @@ def write_plots(results_file: Path, out: Path) -> list[Path]:
                                        "Speed-up (bars: lowest to highest round)", p, baseline=1.0,
                                        errors=spreads(results)),
         "acceptance": lambda p: acceptance_plot(results, p),
+        "drafted": lambda p: line_plot(drafted_series(results), "draft tokens per request and step",
+                                       "What the heads drafted", p),
         "categories": lambda p: category_plot(results, p),
         "ablation": ablation_plot,
     }
@@ -156,9 +177,9 @@ def write_plots(results_file: Path, out: Path) -> list[Path]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, help="default: plots_dir(results)")
     args = parser.parse_args()
-    for path in write_plots(args.results, args.out):
+    for path in write_plots(args.results, args.out or plots_dir(args.results)):
         print(path)
 
 

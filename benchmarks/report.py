@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks.plot import bundled_heads, plot_names
+from benchmarks.plot import bundled_heads, plot_names, plots_dir
 from benchmarks.run import HEADS_METHODS
 from vllm_clover_training.accuracy_table import ROWS, SMOLLM2_ROWS
 from vllm_clover_training.accuracy_table import table as accuracy_table
@@ -75,6 +75,7 @@ def markdown(report: dict, results_file: Path, brief: bool = False) -> str:
         rep_vanilla = sum(r["repetition_ratio"] for r in results["vanilla"].values()) / len(results["vanilla"])
         parts.append(f"**{method} quality:** {100 * equal:.1f}% of outputs equal to vanilla's; repetition ratio "
                      f"{rep:.3f} vs vanilla's {rep_vanilla:.3f} (share of 4-grams already seen in the same output).")
+    parts += drafting_tables(results)
     parts += step_table(results, report["settings"]["batch_sizes"])
     if brief:
         return "\n\n".join(parts)
@@ -85,9 +86,22 @@ def markdown(report: dict, results_file: Path, brief: bool = False) -> str:
         parts += [f"**Per-head accuracy and the acceptance it implies** (teacher-forced on the held-out or validation "
                   f"split, from the eval JSON files in `assets/{heads}/`):",
                   accuracy_table(REPO / "assets" / heads, ACCURACY_ROWS[heads])]
-    plots = results_file.parent
+    plots = plots_dir(results_file)
     parts.append(" ".join(f"![{name}]({(plots / f'{name}.png').as_posix()})" for name in plot_names(report)))
     return "\n\n".join(parts)
+
+
+def drafting_tables(results: dict) -> list[str]:
+    """What our heads drafted, for runs that recorded it (benchmarks.run's `drafting`)."""
+    ours = [m for m in results if any("drafting" in r for r in results[m].values())]
+    if not ours:
+        return []
+    return ["**Draft tokens per request and step** (what our heads proposed; the goodput policy chooses per "
+            "request and step; `-fixed`: Clover drafts K, CLP follows its threshold) and, in brackets, "
+            "**steps that drafted nothing**:",
+            grid(results, lambda r, b: f"{r['drafting']['draft_tokens_per_request_step']:.2f} "
+                                       f"({100 * r['drafting']['steps_without_drafts_fraction']:.0f}%)"
+                 if "drafting" in r else "–", ours)]
 
 
 def speed_caption(results: dict) -> str:

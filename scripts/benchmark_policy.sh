@@ -28,3 +28,4 @@ smollm2)
     exit 2
     ;;
 esac
+$PY -m benchmarks.plot "$OUT/$TARGET.json"

@@ -22,8 +22,10 @@ Both models learn online from the engine's own steps, so they fit the machine, t
 and the load: acceptance from what vLLM's rejection sampler accepted, per draft position
 and per bin of the heads' own confidence (a calibrated head's top-1 probability is its
 chance of being right, which is the prior); the step time from the wall time between
-successive draft steps, per bucket of token counts. Until a model has seen anything the
-policy drafts the full budget, which is also how it measures.
+successive draft steps, per batch size and token count (both in buckets); the heads' time
+per number of rows and positions. Until the models have measured a batch size the policy
+drafts the full budget there, which is also how it measures; every so often it drafts the
+full budget again, to re-measure (EXPLORE_AFTER).
 
 `fixed` (speculative_config "draft_policy": "fixed") keeps each method's own rule: Clover
 drafts its budget, CLP thresholds its predicted length at tau.
@@ -47,12 +49,12 @@ PRIOR_WEIGHT = 8.0        # pseudo-observations behind each prior acceptance rat
 SAMPLES_PER_BUCKET = 16   # a cost bucket's estimate: the median of its latest samples,
 MIN_SAMPLES = 3           # once it has this many
 BUCKETS_PER_OCTAVE = 2
-# Every EXPLORE_AFTER steps without one, EXPLORE_STEPS steps draft the full budget: they
+# After every EXPLORE_AFTER steps, EXPLORE_STEPS steps draft the full budget: they
 # re-measure what the deepest drafts cost and earn, which a policy that stopped drafting
-# (under load) or drafts shallowly would otherwise never see again, leaving stale (often
-# start-up) figures in charge. Several in a row, because the first drafting step after a
-# pause runs on cold caches and costs more than drafting does in steady state. Under load
-# it costs ~1-2% of the throughput.
+# (under load) or drafts shallowly would otherwise never see again, leaving stale figures
+# in charge. Several in a row, because the first drafting step after a pause runs on cold
+# caches and costs more than drafting does in steady state. Under load it costs ~1-2% of
+# the throughput.
 EXPLORE_AFTER = 200
 EXPLORE_STEPS = 4
 
@@ -256,8 +258,7 @@ class GoodputPolicy:
         self.heads_costs = CostsByBatch()   # by rows, then positions the heads draft
         self.clock = clock
         self.base_tokens = 1
-        self.steps_since_full_budget = 0
-        self.exploring_steps_left = 0
+        self.steps = 0
         self._last_step_start: float | None = None
         self._heads_seconds = 0.0
         self._heads_run = 0
@@ -268,12 +269,15 @@ class GoodputPolicy:
     # ---- the runner hook ----
 
     def observe_step(self, num_tokens: int, num_requests: int, base_tokens: int, verified: dict[str, int],
-                     accepted: dict[str, int]) -> None:
+                     accepted: dict[str, int], decode_only: bool = True) -> None:
         """At the start of a draft step: this step ran `num_tokens` tokens for `num_requests`
         requests; the next one runs `base_tokens` before drafts; per request id, how many of
-        its drafts were verified and how many accepted."""
+        its drafts were verified and how many accepted. `decode_only`: no request ran a
+        prefill chunk, so the step is one the policy chooses between (a prefill's step also
+        follows whatever wait brought its request, not a cost of drafting)."""
         now = self.clock()
-        if self._last_step_start is not None:
+        self.steps += 1
+        if self._last_step_start is not None and decode_only:
             # Since the last draft step began: its heads, then this whole engine step.
             self.step_costs.observe(num_requests, num_tokens, now - self._last_step_start - self._heads_seconds)
         self._last_step_start, self._heads_seconds, self._heads_run = now, 0.0, 0
@@ -307,8 +311,6 @@ class GoodputPolicy:
             rates = np.broadcast_to(mean[:deepest], (len(budgets), deepest))
             deepest = max(plan_lengths(rates, budgets, self.base_tokens, *costs))
         self._heads_run = deepest
-        if deepest == 0:
-            self.steps_since_full_budget += 1
         return deepest
 
     def lengths(self, confidence: np.ndarray, budgets: list[int], heads_to_run: bool = False) -> list[int]:
@@ -324,8 +326,6 @@ class GoodputPolicy:
             lengths = list(budgets)
         if heads_to_run:
             self._heads_run = max(lengths, default=0)
-        self.exploring_steps_left = max(self.exploring_steps_left - 1, 0)
-        self.steps_since_full_budget = 0 if lengths == list(budgets) else self.steps_since_full_budget + 1
         self._confidence = [row[:n] for row, n in zip(confidence, lengths)]
         return lengths
 
@@ -340,9 +340,7 @@ class GoodputPolicy:
         return step.predict, lambda positions: np.where(positions > 0, heads.predict(positions), 0.0)
 
     def _explore_now(self) -> bool:
-        if self.steps_since_full_budget >= EXPLORE_AFTER:
-            self.exploring_steps_left, self.steps_since_full_budget = EXPLORE_STEPS, 0
-        return self.exploring_steps_left > 0
+        return self.steps % (EXPLORE_AFTER + EXPLORE_STEPS) >= EXPLORE_AFTER
 
     def summary(self) -> dict:
         """The policy's models, for the benchmark JSON: the step-time and heads-time tables
