@@ -45,7 +45,7 @@ POLICIES = ("goodput", "fixed")
 DEFAULT_POLICY = "goodput"
 
 CONFIDENCE_BINS = 10
-PRIOR_WEIGHT = 8.0        # pseudo-observations behind each prior acceptance rate
+PRIOR_WEIGHT = 2.0        # pseudo-observations behind each prior acceptance rate (few: heads are often under-confident)
 SAMPLES_PER_BUCKET = 16   # a cost bucket's estimate: the median of its latest samples,
 MIN_SAMPLES = 3           # once it has this many
 BUCKETS_PER_OCTAVE = 2
