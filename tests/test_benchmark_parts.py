@@ -22,6 +22,7 @@ from vllm_clover_training.data import DataError
 
 RESULTS = REPO / "benchmarks" / "results" / "results.json"
 SMOLLM2_RESULTS = REPO / "benchmarks" / "results" / "smollm2" / "results.json"
+POLICY_RESULTS = REPO / "benchmarks" / "results" / "policy"
 SPEC_BENCH = REPO.parent / "shared" / "data" / "spec_bench_questions.jsonl"
 
 
@@ -106,6 +107,8 @@ def test_step_breakdown_splits_the_draft_step():
 @pytest.mark.parametrize("results_file,section,batches", [
     (RESULTS, "results", [1, 4, 8, 16, 32, 64]),
     (SMOLLM2_RESULTS, "smollm2-results", [1, 4, 16, 64]),
+    (POLICY_RESULTS / "demo.json", "policy-demo", [1, 4, 16, 64]),
+    (POLICY_RESULTS / "smollm2.json", "policy-smollm2", [1, 4, 16, 64]),
 ])
 def test_report_and_plots_from_the_committed_results(results_file, section, batches, tmp_path):
     results = json.loads(results_file.read_text())

@@ -9,7 +9,7 @@ import pytest
 from vllm import SamplingParams
 
 from conftest import make_llm, shutdown, speculative
-from vllm_clover.spec_metrics import mean_acceptance_length, spec_decode_counters
+from vllm_clover.spec_metrics import first_draft_acceptance, spec_decode_counters
 from vllm_clover_training.stdlib_corpus import heldout_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -46,7 +46,7 @@ def runs(demo_base):
 
 def test_compiled_clover_equals_compiled_plain_decoding(runs):
     assert runs["clover"]["outputs"] == runs["plain"]["outputs"]
-    assert mean_acceptance_length(runs["clover"]["spec"]) > 1.5
+    assert first_draft_acceptance(runs["clover"]["spec"]) > 0.5
 
 
 def test_the_augmenting_block_compiles_at_start_up(runs):

@@ -7,7 +7,7 @@ import pytest
 from vllm import SamplingParams
 
 from conftest import make_llm, shutdown, speculative
-from vllm_clover.spec_metrics import mean_acceptance_length
+from vllm_clover.spec_metrics import first_draft_acceptance
 from vllm_clover.spec_metrics import spec_decode_counters as spec_counters
 from vllm_clover_training.stdlib_corpus import heldout_prompts
 
@@ -45,7 +45,7 @@ def runs(demo_base, tp_env):
 def test_clover_under_tp2_equals_plain_tp2(runs):
     assert runs["clover"]["outputs"] == runs["plain"]["outputs"]
     spec = runs["clover"]["spec"]
-    assert spec["accepted"] > 0 and mean_acceptance_length(spec) > 1.5
+    assert spec["accepted"] > 0 and first_draft_acceptance(spec) > 0.5
 
 
 def test_augmenting_block_is_sharded_across_ranks(runs):

@@ -74,3 +74,10 @@ def _elementwise(x: dict, y: dict, op) -> dict:
 def mean_acceptance_length(counters: dict) -> float:
     """vLLM's definition: 1 + accepted / drafts, over steps that drafted (1.0 if none did)."""
     return 1 + counters["accepted"] / max(counters["drafts"], 1)
+
+
+def first_draft_acceptance(counters: dict) -> float:
+    """How often a request's first draft was accepted, over the steps that drafted: the
+    heads' quality whatever lengths a policy chose (a mean acceptance length falls when a
+    policy drafts fewer tokens, even from better heads)."""
+    return counters["accepted_per_pos"][0] / max(counters["drafts"], 1)
