@@ -37,7 +37,8 @@ def runs(demo_base, tp_env):
         llm = make_llm(demo_base, tensor_parallel_size=2, speculative_config=spec, disable_log_stats=False)
         outputs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         results[name] = {"outputs": outputs, "spec": spec_counters(llm),
-                         "heads_per_rank": llm.collective_rpc(augmenting_heads) if spec else None}
+                         "heads_per_rank": llm.collective_rpc(augmenting_heads) if spec else None,
+                         "policy_per_rank": llm.collective_rpc(draft_policy) if spec else None}
         shutdown(llm)
     return results
 
@@ -46,6 +47,16 @@ def test_clover_under_tp2_equals_plain_tp2(runs):
     assert runs["clover"]["outputs"] == runs["plain"]["outputs"]
     spec = runs["clover"]["spec"]
     assert spec["accepted"] > 0 and first_draft_acceptance(spec) > 0.5
+
+
+def draft_policy(worker) -> str:
+    return worker.model_runner.drafter.model.draft_policy
+
+
+def test_ranks_draft_with_the_same_fixed_lengths(runs):
+    """Ranks timing their own steps could choose different lengths and deadlock in the heads'
+    collectives: under tensor parallelism the goodput default falls back to fixed."""
+    assert runs["clover"]["policy_per_rank"] == ["fixed", "fixed"]
 
 
 def test_augmenting_block_is_sharded_across_ranks(runs):

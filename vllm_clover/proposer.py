@@ -102,7 +102,7 @@ def log_drafting(model: HeadsDraftModel) -> None:
     steps, rows = current["steps"] - last[1]["steps"], current["rows"] - last[1]["rows"]
     if steps:
         logger.info("vllm-clover %s (draft_policy %s): %.2f draft tokens per request and step, "
-                    "no drafts in %.0f%% of %d steps", model.method.name, model.options.draft_policy,
+                    "no drafts in %.0f%% of %d steps", model.method.name, model.draft_policy,
                     (current["drafted"] - last[1]["drafted"]) / max(rows, 1),
                     100 * (current["steps_without_drafts"] - last[1]["steps_without_drafts"]) / steps, steps)
     model.stats_logged = (now, current)
