@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: the one with a handler
 
 
 @torch.inference_mode()

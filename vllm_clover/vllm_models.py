@@ -45,7 +45,7 @@ from vllm_clover.layers import MakeScorer, top1_of
 from vllm_clover.methods import BY_NAME
 from vllm_clover.spec_config import ServingOptions, serving_options
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: the one with a handler
 
 # Checkpoint tensor names of an augmenting block (TorchLlamaDecoderLayer + norm, clover.py).
 AUGMENT, AUGMENT_NORM = "augment.", "augment_norm.weight"
