@@ -50,7 +50,7 @@ def test_our_method_names_ride_the_medusa_carrier(demo_base, method, arch, trust
     assert spec.draft_model_config.architectures == [arch]
     assert getattr(spec.draft_model_config.hf_config, SERVING_ATTR) == {
         "method": method.removesuffix("-trust"), "trust_drafts": trust, "hyper_overrides": {},
-        "draft_policy": "goodput"}
+        "draft_policy": "fixed" if trust else "goodput"}
     # GPUs default to Model Runner V2, where our runner hook does not exist; vLLM falls back
     # to the V1 runner for the features it lists here, and our methods must stay on that list.
     assert "speculative method 'medusa'" in config._get_v2_model_runner_unsupported_features()
@@ -89,6 +89,9 @@ def test_draft_policy_is_goodput_unless_fixed_is_asked_for(demo_base):
     assert getattr(spec.draft_model_config.hf_config, SERVING_ATTR)["draft_policy"] == "fixed"
     with pytest.raises(SpecConfigError, match="draft_policy must be one of 'goodput', 'fixed', got 'always'"):
         engine_config(demo_base, {**speculative("clp"), "draft_policy": "always"})
+    with pytest.raises(SpecConfigError, match="draft_policy 'goodput' learns from verified drafts; "
+                                              "method 'clp-trust' accepts drafts unverified"):
+        engine_config(demo_base, {**speculative("clp-trust"), "draft_policy": "goodput"})
     with pytest.raises(SpecConfigError, match="draft_policy is an option of the plugin's methods "
                                               r"\(clover, clp\), not of medusa heads"):
         engine_config(demo_base, {**speculative("medusa"), "draft_policy": "fixed"})

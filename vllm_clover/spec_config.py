@@ -13,7 +13,8 @@ model runner that our proposer hook lives in.
     {"method": "clp", "model": HEADS, "clp_tau": 0.3}   CLP with another threshold than the checkpoint's
     {"model": HEADS} or {"method": "medusa", ...} with our heads: the checkpoint's method
     {"method": "clover", "model": HEADS, "draft_policy": "fixed"}   always the full budget
-        (default "goodput": lengths per request and step that pay for themselves, draft_policy.py)
+        (default "goodput": lengths per request and step that pay for themselves, draft_policy.py;
+        clp-trust is always "fixed")
 
 The names and options come from the method table (methods.py).
 
@@ -95,13 +96,24 @@ def resolve(spec: dict, target_model: str) -> tuple[dict, ServingOptions | None]
                                   f"({', '.join(m.name for m in BY_NAME.values() if m.served_by_plugin)}), "
                                   f"not of {method.name} heads, which vLLM's own proposer serves")
         return spec, None  # heads in vLLM's own format (our Medusa): its own proposer runs them
+    trust = SERVING_NAMES[name][1] if name in SERVING_NAMES else False
+    policy = serving_policy(policy, policy_given, trust, name)
+    check_runner()
+    return {**spec, "method": CARRIER}, ServingOptions(method.name, trust, overrides, policy)
+
+
+def serving_policy(policy: object, given: bool, trust: bool, name: str | None) -> str:
+    """The draft_policy an engine runs. Unverified drafts are always "accepted", so the goodput
+    policy would learn that every draft pays and draft K unchecked tokens at any load: trusted
+    methods keep their own rule (the CLP paper's threshold) and refuse "goodput"."""
     try:
         policy = check_policy(policy)
     except ValueError as e:
         raise SpecConfigError(str(e)) from None
-    check_runner()
-    trust = SERVING_NAMES[name][1] if name in SERVING_NAMES else False
-    return {**spec, "method": CARRIER}, ServingOptions(method.name, trust, overrides, policy)
+    if trust and given and policy == "goodput":
+        raise SpecConfigError(f"draft_policy 'goodput' learns from verified drafts; method {name!r} accepts "
+                              "drafts unverified, use 'fixed' (its default)")
+    return "fixed" if trust else policy
 
 
 def option_overrides(ours: dict, method: DraftMethod) -> dict:
