@@ -71,7 +71,6 @@ class AcceptanceModel:
     top of a prior that takes the confidence at its word."""
 
     def __init__(self, num_positions: int):
-        self.num_positions = num_positions
         centres = (np.arange(CONFIDENCE_BINS) + 0.5) / CONFIDENCE_BINS
         self.prior = np.tile(centres, (num_positions, 1))
         self.tried = np.zeros((num_positions, CONFIDENCE_BINS))
@@ -112,8 +111,8 @@ class AcceptanceModel:
         """[positions] a_j averaged over the confidences the heads produce; None before any."""
         if not self.seen.any():
             return None
-        seen = self.seen.sum(1, keepdims=True)
-        return np.where(seen[:, 0] > 0, (self.seen * self.calibrated()).sum(1) / np.maximum(seen[:, 0], 1), 0.0)
+        seen = self.seen.sum(1)
+        return np.where(seen > 0, (self.seen * self.calibrated()).sum(1) / np.maximum(seen, 1), 0.0)
 
 
 def bucket(num_tokens: int) -> int:
