@@ -175,7 +175,7 @@ class CostsByBatch:
         self.models.setdefault(bucket(requests), CostModel()).observe(n, seconds)
 
     def model(self, requests: int) -> CostModel | None:
-        """The batch's model once it has measured anything, else None."""
+        """The batch's model once one of its buckets has MIN_SAMPLES samples, else None."""
         found = self.models.get(bucket(requests))
         return found if found is not None and found.knows() else None
 
