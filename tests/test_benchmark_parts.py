@@ -180,3 +180,31 @@ def test_interleaved_rounds_with_profile_in_real_engines(tmp_path, monkeypatch):
     policy = goodput["drafting"]["policy"]
     assert policy["step_seconds_by_requests_and_tokens"] and sum(policy["judged_drafts_per_position"]) > 0
     assert "Where a step's time goes" in report.markdown(result, tmp_path / "r.json")
+
+
+def test_load_arrivals_ramp_with_the_rates_and_repeat_with_the_seed():
+    from benchmarks.load import arrival_times
+
+    arrivals = arrival_times([2.0, 20.0, 0.0, 2.0], phase_seconds=30.0)
+    per_phase = [sum(p == phase for _, p in arrivals) for phase in range(4)]
+    assert 30 < per_phase[0] < 95 and 480 < per_phase[1] < 720 and per_phase[2] == 0 and 30 < per_phase[3] < 95
+    assert all(30 * p <= t < 30 * (p + 1) for t, p in arrivals) and arrivals == sorted(arrivals)
+    assert arrival_times([2.0, 20.0, 0.0, 2.0], 30.0) == arrivals
+
+
+def test_load_summary_per_phase():
+    from benchmarks.load import Completion, summarise
+
+    records = [Completion(0, 0.0, first_token=0.1, latency=1.0, tokens=10),
+               Completion(0, 0.5, first_token=0.3, latency=2.0, tokens=10),
+               Completion(1, 1.2, error="HTTP 500: boom")]
+    counters = [{"generated": 0, "drafted": 0, "accepted": 0}, {"generated": 20, "drafted": 40, "accepted": 10},
+                {"generated": 20, "drafted": 40, "accepted": 10}, {"generated": 25, "drafted": 40, "accepted": 10}]
+    summary = summarise(records, counters, rates=[2.0, 1.0])
+    first, second = summary["phases"]
+    assert first["requests"] == 2 and first["ttft_mean"] == pytest.approx(0.2)
+    assert first["tpot_mean"] == pytest.approx(((0.9 / 9) + (1.7 / 9)) / 2, abs=1e-5)
+    assert first["draft_tokens_per_generated"] == 2.0 and first["acceptance_rate"] == 0.25
+    assert second["errors"] == 1 and second["generated_tokens"] == 5  # the last phase runs until drained
+    assert summary["output_tokens_per_second"] == pytest.approx(20 / 2.5)
+    assert summary["first_errors"] == ["HTTP 500: boom"]

@@ -68,8 +68,9 @@ def test_acceptance_is_counted_per_position_and_confidence():
     model = AcceptanceModel(K)
     confident = np.array([0.95, 0.95, 0.95, 0.95])
     prior = model.rates(confident[None])[0]
-    for _ in range(200):
-        model.observe(confident, num_accepted=1)  # position 0 accepted, 1 rejected, 2-3 never judged
+    for _ in range(100):  # two requests a step, four drafts verified each
+        model.observe(np.stack([confident, confident]), verified=np.array([4, 4]), accepted=np.array([1, 1]))
+    # position 0 accepted, 1 rejected, 2-3 never judged
     after = model.rates(confident[None])[0]
     assert after[0] > 0.99 * prior[0] and after[1] < 0.1
     assert after[2] == pytest.approx(prior[2]) and after[3] == pytest.approx(prior[3])
@@ -141,12 +142,21 @@ def test_policy_drafts_at_low_load_and_stops_at_high_load():
     assert all(sum(s) == 0 for s in high[-10:])  # the heads do not even run
 
 
-def test_a_policy_that_stopped_drafting_looks_again_now_and_then():
+def test_a_policy_that_stopped_drafting_looks_again_less_and_less_often():
     c = Clock()
-    steps = run_steps(GoodputPolicy(K, clock=c), c, 64, roofline(), steps=30 + 2 * EXPLORE_AFTER)
-    explored = [s for s in steps[30:] if sum(s)]
-    # EXPLORE_STEPS full-budget steps in a row per EXPLORE_AFTER steps without
-    assert explored == [[K] * 64] * (2 * EXPLORE_STEPS)
+    steps = run_steps(GoodputPolicy(K, clock=c), c, 64, roofline(), steps=30 + 7 * EXPLORE_AFTER + 2 * EXPLORE_STEPS)
+    looks = [i for i, s in enumerate(steps) if i >= 30 and sum(s) and not sum(steps[i - 1])]
+    # each look EXPLORE_STEPS full-budget steps in a row; the gap doubles while drafting never pays
+    assert all(steps[i:i + EXPLORE_STEPS] == [[K] * 64] * EXPLORE_STEPS for i in looks)
+    assert np.diff(looks).tolist() == [2 * EXPLORE_AFTER, 4 * EXPLORE_AFTER]
+
+
+def test_a_policy_that_drafts_keeps_looking_at_the_full_budget_as_often():
+    c = Clock()
+    policy = GoodputPolicy(K, clock=c)
+    steps = run_steps(policy, c, 1, roofline(memory_bound_tokens=8, seconds=0.010), steps=3 * EXPLORE_AFTER,
+                      confidence=0.3, accept=1)
+    assert sum(map(sum, steps[-EXPLORE_AFTER:])) > 0 and policy.explore_after == EXPLORE_AFTER
 
 
 def test_goodput_is_the_default_and_other_names_are_refused():

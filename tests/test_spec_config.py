@@ -17,7 +17,16 @@ from vllm.engine.arg_utils import EngineArgs
 import vllm_clover
 from conftest import DEMO_HEADS, ENGINE_DEFAULTS, speculative
 from vllm_clover.errors import CheckpointError, SpecConfigError, VllmCloverError, VllmInternalsChanged
-from vllm_clover.patches import MARKER, PATCHES, RUNNER_READS, Patch, check_runner_reads, point_mass_on_drafts
+from vllm_clover.patches import (
+    DRAFTS_ATTR,
+    MARKER,
+    PATCHES,
+    PREPARED_ATTR,
+    RUNNER_READS,
+    Patch,
+    check_runner_reads,
+    point_mass_on_drafts,
+)
 from vllm_clover.spec_config import SERVING_ATTR, resolve
 
 
@@ -185,3 +194,48 @@ def test_trust_mode_makes_each_draft_the_only_choice():
     assert forced[rows].argmax(-1).tolist() == drafts.tolist()
     assert forced[rows].softmax(-1).max(-1).values.tolist() == [1.0, 1.0, 1.0]
     assert torch.equal(forced[[2, 4]], logits[[2, 4]])  # bonus rows untouched
+
+
+def test_drafts_reach_the_scheduler_with_the_sampled_tokens():
+    """The worker attaches our runner's drafts to the step's output; the scheduler takes them
+    from there and post_step skips its round trip to the worker. Other runners' outputs, and
+    steps whose output carried no drafts, keep vLLM's own path."""
+    import pickle
+
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+
+    wrapped = {p.name: p.wrap for p in PATCHES}
+    drafts = DraftTokenIds(["a", "b"], [[5, 6], []])
+    shared = ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1})
+
+    class Runner:
+        def take_draft_token_ids(self):
+            return drafts
+
+    ours = Runner()
+    setattr(ours, PREPARED_ATTR, True)
+    sample_tokens = wrapped["drafts_with_sampled_tokens"](lambda runner, grammar_output: shared)
+    assert sample_tokens(Runner(), None) is shared  # not one of our runners
+    output = pickle.loads(pickle.dumps(sample_tokens(ours, None)))  # as the worker's queue sends it
+    assert getattr(output, DRAFTS_ATTR).draft_token_ids == [[5, 6], []] and not hasattr(shared, DRAFTS_ATTR)
+
+    class Scheduler:
+        def __init__(self):
+            self.updates = []
+
+        def update_draft_token_ids(self, draft_token_ids):
+            self.updates.append(draft_token_ids.draft_token_ids)
+
+    class EngineCore:
+        scheduler = Scheduler()
+
+    rpcs = []
+    update_from_output = wrapped["drafts_delivered"](lambda scheduler, scheduler_output, model_output: "outputs")
+    post_step = wrapped["no_draft_rpc"](lambda core, model_executed: rpcs.append(model_executed))
+    core = EngineCore()
+    assert update_from_output(core.scheduler, None, output) == "outputs"
+    post_step(core, True)
+    assert core.scheduler.updates == [[[5, 6], []]] and rpcs == []
+    update_from_output(core.scheduler, None, shared)  # an output without drafts: vLLM's RPC
+    post_step(core, True)
+    assert core.scheduler.updates == [[[5, 6], []]] and rpcs == [True]

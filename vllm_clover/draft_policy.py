@@ -25,7 +25,7 @@ chance of being right, which is the prior); the step time from the wall time bet
 successive draft steps, per batch size and token count (both in buckets); the heads' time
 per number of rows and positions. Until the models have measured a batch size the policy
 drafts the full budget there, which is also how it measures; every so often it drafts the
-full budget again, to re-measure (EXPLORE_AFTER).
+full budget again, to re-measure (EXPLORE_AFTER, less often while that keeps not paying).
 
 `fixed` (speculative_config "draft_policy": "fixed") keeps each method's own rule: Clover
 drafts its budget, CLP thresholds its predicted length at tau.
@@ -53,9 +53,12 @@ BUCKETS_PER_OCTAVE = 2
 # re-measure what the deepest drafts cost and earn, which a policy that stopped drafting
 # (under load) or drafts shallowly would otherwise never see again, leaving stale figures
 # in charge. Several in a row, because the first drafting step after a pause runs on cold
-# caches and costs more than drafting does in steady state. Under load it costs ~1-2% of
-# the throughput.
+# caches and costs more than drafting does in steady state. While looking again keeps
+# showing that drafting does not pay (no step between two looks drafted), the interval
+# doubles, up to EXPLORE_AFTER_MAX: at batch 64 on SmolLM2 a look costs ~2x a step, so
+# looking every 200 steps cost ~2-3% of the throughput, every 3,200 ~0.2%.
 EXPLORE_AFTER = 200
+EXPLORE_AFTER_MAX = 3200
 EXPLORE_STEPS = 4
 
 
@@ -95,17 +98,24 @@ class AcceptanceModel:
 
     def note_confidence(self, confidence: np.ndarray) -> None:
         """Every row the heads drafted for, drafted or not (confidence [R, k])."""
-        k = confidence.shape[1]
-        np.add.at(self.seen, (np.broadcast_to(np.arange(k), confidence.shape), self.bins(confidence)), 1)
+        positions = np.broadcast_to(np.arange(confidence.shape[1]), confidence.shape)
+        self.seen += self._count(positions, self.bins(confidence))
 
-    def observe(self, confidence: np.ndarray, num_accepted: int) -> None:
-        """One request's verified drafts (their confidences [k]) and how many were accepted:
-        positions 0..m-1 were accepted, position m rejected, later ones never judged."""
-        judged = min(num_accepted + 1, len(confidence))
-        positions, bins = np.arange(judged), self.bins(confidence[:judged])
-        self.tried[positions, bins] += 1
-        accepted = positions < num_accepted
-        self.accepted[positions[accepted], bins[accepted]] += 1
+    def observe(self, confidence: np.ndarray, verified: np.ndarray, accepted: np.ndarray) -> None:
+        """A step's verified drafts, all requests at once: confidence [R, k] (row r's drafts
+        first), verified [R] drafts vLLM judged per request, accepted [R] of them. Positions
+        0..m-1 were accepted, position m rejected, later ones never judged."""
+        positions = np.broadcast_to(np.arange(confidence.shape[1]), confidence.shape)
+        judged = positions < np.minimum(accepted + 1, verified)[:, None]
+        took = positions < np.minimum(accepted, verified)[:, None]
+        bins = self.bins(confidence)
+        self.tried += self._count(positions[judged], bins[judged])
+        self.accepted += self._count(positions[took], bins[took])
+
+    def _count(self, positions: np.ndarray, bins: np.ndarray) -> np.ndarray:
+        """[positions, bins] histogram of (position, bin) pairs (bincount: ~10x np.add.at)."""
+        flat = (positions * CONFIDENCE_BINS + bins).ravel()
+        return np.bincount(flat, minlength=self.seen.size).reshape(self.seen.shape)
 
     def mean_rates(self) -> np.ndarray | None:
         """[positions] a_j averaged over the confidences the heads produce; None before any."""
@@ -257,13 +267,18 @@ class GoodputPolicy:
         self.heads_costs = CostsByBatch()   # by rows, then positions the heads draft
         self.clock = clock
         self.base_tokens = 1
-        self.steps = 0
+        self.explore_after = EXPLORE_AFTER
+        self._since_explored = 0       # steps since the last look at the full budget
+        self._exploring = 0            # full-budget steps left in this look
+        self._drafted_since = False    # a planned step drafted since the last look
         self._last_step_start: float | None = None
         self._heads_seconds = 0.0
         self._heads_run = 0
         self._rows = 0
-        self._confidence: list[np.ndarray] = []     # this step's rows, in row order
-        self._pending: dict[str, np.ndarray] = {}   # request id -> its drafts' confidences
+        self._confidence = np.zeros((0, 0))          # this step's rows' confidences [R, k]
+        self._lengths = np.zeros(0, dtype=np.int64)   # and their draft lengths [R]
+        # The last step's drafts: (request id per row, confidence [R, k], lengths [R]).
+        self._pending: tuple[list[str], np.ndarray, np.ndarray] | None = None
 
     # ---- the runner hook ----
 
@@ -275,17 +290,17 @@ class GoodputPolicy:
         prefill chunk, so the step is one the policy chooses between (a prefill's step also
         follows whatever wait brought its request, not a cost of drafting)."""
         now = self.clock()
-        self.steps += 1
+        self._schedule_exploration()
         if self._last_step_start is not None and decode_only:
             # Since the last draft step began: its heads, then this whole engine step.
             self.step_costs.observe(num_requests, num_tokens, now - self._last_step_start - self._heads_seconds)
         self._last_step_start, self._heads_seconds, self._heads_run = now, 0.0, 0
         self.base_tokens = max(base_tokens, 1)
-        for req_id, confidence in self._pending.items():
-            n = min(verified.get(req_id, 0), len(confidence))
-            if n > 0:
-                self.acceptance.observe(confidence[:n], accepted[req_id])
-        self._pending, self._confidence = {}, []
+        if self._pending is not None:
+            req_ids, confidence, lengths = self._pending
+            judged = np.minimum([verified.get(r, 0) for r in req_ids], lengths)
+            self.acceptance.observe(confidence, judged, np.array([accepted.get(r, 0) for r in req_ids]))
+        self._pending, self._lengths = None, np.zeros(0, dtype=np.int64)
 
     def heads_timed(self, seconds: float) -> None:
         self._heads_seconds = seconds
@@ -294,7 +309,7 @@ class GoodputPolicy:
 
     def end_step(self, req_ids: list[str]) -> None:
         """The request id of each row that `lengths` was given, in the same order."""
-        self._pending = {r: c for r, c in zip(req_ids, self._confidence) if len(c)}
+        self._pending = (req_ids, self._confidence, self._lengths) if self._lengths.any() else None
 
     # ---- the heads ----
 
@@ -321,11 +336,12 @@ class GoodputPolicy:
         costs = self._costs(with_heads=heads_to_run)
         if costs is not None and not self._explore_now():
             lengths = plan_lengths(self.acceptance.rates(confidence), budgets, self.base_tokens, *costs)
+            self._drafted_since |= any(lengths)
         else:
             lengths = list(budgets)
         if heads_to_run:
             self._heads_run = max(lengths, default=0)
-        self._confidence = [row[:n] for row, n in zip(confidence, lengths)]
+        self._confidence, self._lengths = confidence, np.asarray(lengths)
         return lengths
 
     def _costs(self, with_heads: bool):
@@ -338,8 +354,18 @@ class GoodputPolicy:
             return None
         return step.predict, lambda positions: np.where(positions > 0, heads.predict(positions), 0.0)
 
+    def _schedule_exploration(self) -> None:
+        """Once a step: start a look at the full budget every `explore_after` steps, that
+        interval doubling while drafting stays off between looks."""
+        self._exploring = max(self._exploring - 1, 0)
+        self._since_explored += 1
+        if self._since_explored >= self.explore_after:
+            self.explore_after = (EXPLORE_AFTER if self._drafted_since
+                                  else min(2 * self.explore_after, EXPLORE_AFTER_MAX))
+            self._since_explored, self._exploring, self._drafted_since = 0, EXPLORE_STEPS, False
+
     def _explore_now(self) -> bool:
-        return self.steps % (EXPLORE_AFTER + EXPLORE_STEPS) >= EXPLORE_AFTER
+        return self._exploring > 0
 
     def summary(self) -> dict:
         """The policy's models, for the benchmark JSON: the step-time and heads-time tables

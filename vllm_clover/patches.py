@@ -1,6 +1,6 @@
 """Every change vllm-clover makes to vLLM internals, in one table.
 
-vLLM 0.32 has no proposer registry, so the plugin wraps four private methods, and it
+vLLM 0.32 has no proposer registry, so the plugin wraps seven private methods, and it
 works around two vLLM bugs. Each change is a no-op for anything that is not ours:
 other methods, models and checkpoints run exactly as without the plugin. All were
 written against vLLM 0.32 (`version.SUPPORTED_VLLM`, checked before any is applied), and
@@ -24,6 +24,16 @@ last by the runner hook, in a CPU worker that drafts with one of our models.
       model first runs on the first request. After the runner's own profile run, make that
       dummy call for our models: a compiled augmenting block compiles at start-up, as the
       target does, instead of stalling the first request.
+  drafts_with_sampled_tokens  GPUModelRunner.sample_tokens
+  drafts_delivered          Scheduler.update_from_output
+  no_draft_rpc              EngineCore.post_step
+      vLLM's engine core fetches each step's drafts from the worker with a separate RPC
+      (`take_draft_token_ids`, in post_step) after the one that returned the sampled
+      tokens: a third round trip through the worker's message queue every step, ~0.5 ms
+      on a 2-core CPU (7% of a batch-16 step of the demo base, py-spy). For runners that
+      draft with our models, attach the drafts to the step's ModelRunnerOutput; the
+      scheduler keeps what arrived, and post_step hands it to update_draft_token_ids as
+      vLLM would, without the RPC. Outputs without our attribute take vLLM's path.
   trust_clp_drafts          RejectionSampler.forward
       CLP's paper mode accepts the predicted span without verification. For a runner
       serving "clp-trust", make the target's verification distribution at each draft
@@ -49,6 +59,7 @@ each, so a vLLM that renamed one fails at start-up with that member's name.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import importlib
@@ -66,6 +77,8 @@ MARKER = "__vllm_clover_patch__"
 # Set on vLLM's RejectionSampler of a runner whose drafts are trusted (by the runner hook).
 TRUST_DRAFTS_ATTR = "vllm_clover_trust_drafts"
 PREPARED_ATTR = "vllm_clover_prepared"  # on a runner the hook has prepared (`_prepare_runner`)
+# On a ModelRunnerOutput: the step's DraftTokenIds; then on the scheduler until post_step.
+DRAFTS_ATTR = "vllm_clover_draft_token_ids"
 
 
 def _resolve(target: str):
@@ -173,6 +186,43 @@ def _warm_up_draft_model(original):
     return profile_run
 
 
+def _drafts_with_sampled_tokens(original):
+    def sample_tokens(self, grammar_output):
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        output = original(self, grammar_output)
+        if getattr(self, PREPARED_ATTR, False) and type(output) is ModelRunnerOutput:
+            drafts = self.take_draft_token_ids()
+            if drafts is not None:
+                output = copy.copy(output)  # never tag an output vLLM shares (e.g. its empty one)
+                setattr(output, DRAFTS_ATTR, drafts)
+        return output
+
+    return sample_tokens
+
+
+def _drafts_delivered(original):
+    def update_from_output(self, scheduler_output, model_runner_output):
+        outputs = original(self, scheduler_output, model_runner_output)
+        drafts = getattr(model_runner_output, DRAFTS_ATTR, None)
+        if drafts is not None:
+            setattr(self, DRAFTS_ATTR, drafts)
+        return outputs
+
+    return update_from_output
+
+
+def _no_draft_rpc(original):
+    def post_step(self, model_executed):
+        drafts = getattr(self.scheduler, DRAFTS_ATTR, None)
+        if drafts is None:
+            return original(self, model_executed)
+        setattr(self.scheduler, DRAFTS_ATTR, None)
+        self.scheduler.update_draft_token_ids(drafts)
+
+    return post_step
+
+
 def _trust_clp_drafts(original):
     def forward(self, metadata, draft_probs, logits, sampling_metadata):
         if getattr(self, TRUST_DRAFTS_ATTR, False):
@@ -219,6 +269,11 @@ PATCHES = (
            "slot_mappings"), _draft_with_clover_heads),
     Patch("warm_up_draft_model", "vllm.v1.worker.gpu_model_runner:GPUModelRunner.profile_run",
           ("self", "randomize_inputs"), _warm_up_draft_model),
+    Patch("drafts_with_sampled_tokens", "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens",
+          ("self", "grammar_output"), _drafts_with_sampled_tokens),
+    Patch("drafts_delivered", "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+          ("self", "scheduler_output", "model_runner_output"), _drafts_delivered),
+    Patch("no_draft_rpc", "vllm.v1.engine.core:EngineCore.post_step", ("self", "model_executed"), _no_draft_rpc),
     Patch("trust_clp_drafts", "vllm.v1.sample.rejection_sampler:RejectionSampler.forward",
           ("self", "metadata", "draft_probs", "logits", "sampling_metadata"), _trust_clp_drafts),
     Patch("medusa_token_map", "vllm.model_executor.models.medusa:Medusa.load_weights",
@@ -230,13 +285,16 @@ CPU_WORKER_PATCHES = (
 )
 
 
-# (class, member) the runner hook reads (proposer.py, `_draft_with_clover_heads`) beyond
-# the wrapped signatures: private runner state and the step metadata's fields.
+# (class, member) the runner hook (proposer.py, `_draft_with_clover_heads`) and the draft
+# delivery read beyond the wrapped signatures: private runner state, the step metadata's
+# fields, the engine core's scheduler.
 RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 RUNNER_READS = (
     (RUNNER, "_get_positions"), (RUNNER, "attn_groups"), (RUNNER, "rejection_sampler"), (RUNNER, "drafter"),
     (RUNNER, "get_model"), (RUNNER, "vllm_config"), (RUNNER, "_draft_probs"), (RUNNER, "_draft_prob_req_ids"),
-    (RUNNER, "max_num_tokens"), (RUNNER, "input_batch"), ("vllm.v1.worker.gpu_input_batch:InputBatch", "req_ids"),
+    (RUNNER, "max_num_tokens"), (RUNNER, "input_batch"), (RUNNER, "take_draft_token_ids"),
+    ("vllm.v1.worker.gpu_input_batch:InputBatch", "req_ids"), ("vllm.v1.engine.core:EngineCore", "scheduler"),
+    ("vllm.v1.core.sched.scheduler:Scheduler", "update_draft_token_ids"),
     ("vllm.v1.spec_decode.medusa:MedusaProposer", "dummy_run"),
     ("vllm.v1.worker.utils:AttentionGroup", "layer_names"), ("vllm.v1.worker.utils:AttentionGroup", "build_metadata"),
     ("vllm.v1.attention.backend:CommonAttentionMetadata", "query_start_loc_cpu"),
