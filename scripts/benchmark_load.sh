@@ -15,7 +15,7 @@ mkdir -p "$OUT"
 COMMON=(--methods vanilla,clover,clover-fixed --max-tokens 64 --out "$OUT/$TARGET-load.json")
 case "$TARGET" in
 demo)
-    $PY -m benchmarks.load "${COMMON[@]}" --rates 1,4,10,20,10,4,1 --phase-seconds 20
+    $PY -m benchmarks.load "${COMMON[@]}" --rates 2,8,24,48,24,8,2 --phase-seconds 15
     ;;
 smollm2)
     [ -f runs/smollm2-135m-instruct/config.json ] || make real-base
