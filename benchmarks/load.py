@@ -103,7 +103,10 @@ async def drive(url: str, model: str, prompts: list, arrivals: list[tuple[float,
 
     records = [Completion(phase, sent) for sent, phase in arrivals]
     timeout = aiohttp.ClientTimeout(total=None)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    # A fresh connection per request: reusing one the server's keep-alive timer has just
+    # closed fails as "Server disconnected" before the request reaches the server.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         start, counters = time.perf_counter(), []
 
         async def at(seconds: float):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Draft-length policies side by side (issue: speculation that never costs): vanilla, and
-# Clover and CLP with the goodput policy (default) and the fixed one, batch 1 to 64, every
-# engine loaded at once and measured in interleaved rounds. Run with nothing else on the machine:
+# Clover and CLP with the goodput policy (default) and the fixed one, batch 1 to 64 (and 128 on
+# the demo base), every engine loaded at once and measured in interleaved rounds. Run with
+# nothing else on the machine:
 #   scripts/benchmark_policy.sh demo      # demo base, compiled engines, held-out prompts
 #   scripts/benchmark_policy.sh smollm2   # SmolLM2-135M-Instruct, eager engines, Spec-Bench
 # Writes benchmarks/results/policy/TARGET.json (and the plots next to it).
@@ -11,16 +12,16 @@ PY=.venv/bin/python
 TARGET=${1:?demo or smollm2}
 OUT=benchmarks/results/policy
 mkdir -p "$OUT"
-COMMON=(--methods vanilla,clover,clover-fixed,clp,clp-fixed --batch-sizes 1,4,16,64 --max-tokens 64
-        --out "$OUT/$TARGET.json")
+COMMON=(--methods vanilla,clover,clover-fixed,clp,clp-fixed --max-tokens 64 --out "$OUT/$TARGET.json")
 case "$TARGET" in
 demo)
-    $PY -m benchmarks.run "${COMMON[@]}" --prompts heldout --num-prompts 16,32,64,128 --rounds 3
+    $PY -m benchmarks.run "${COMMON[@]}" --batch-sizes 1,4,16,64,128 --prompts heldout --num-prompts 16,32,64,128,256 \
+        --rounds 3
     ;;
 smollm2)
     [ -f runs/smollm2-135m-instruct/config.json ] || make real-base
     $PY -m benchmarks.run "${COMMON[@]}" --base-model runs/smollm2-135m-instruct --heads-dir assets/smollm2-heads \
-        --prompts ../shared/data/spec_bench_questions.jsonl --num-prompts 8,16,32,64 --rounds 2 \
+        --batch-sizes 1,4,16,64 --prompts ../shared/data/spec_bench_questions.jsonl --num-prompts 8,16,32,64 --rounds 2 \
         --max-model-len 2048 --kv-cache-mb 1536 --enforce-eager
     ;;
 *)

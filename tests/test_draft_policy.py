@@ -117,8 +117,7 @@ def run_steps(policy: GoodputPolicy, clock: Clock, num_requests: int, step_time,
     for _ in range(steps):
         tokens = num_requests + sum(drafted)
         clock.now += float(step_time(tokens))
-        policy.observe_step(tokens, num_requests, num_requests, dict(zip(ids, drafted)),
-                            {r: min(accept, n) for r, n in zip(ids, drafted)})
+        policy.observe_step(tokens, ids, dict(zip(ids, drafted)), {r: min(accept, n) for r, n in zip(ids, drafted)})
         budgets = [K] * num_requests
         depth = policy.heads_to_run(budgets)
         if depth:
@@ -140,6 +139,35 @@ def test_policy_drafts_at_low_load_and_stops_at_high_load():
     assert low[0] == [K] and high[0] == [K] * 64  # nothing measured yet: the full budget
     assert all(sum(s) > 0 for s in low[-10:])
     assert all(sum(s) == 0 for s in high[-10:])  # the heads do not even run
+
+
+def test_under_steady_arrivals_every_step_carries_a_prefill_and_still_counts():
+    """An open-loop server: each step one request finishes, a new one arrives and its
+    prefill chunk (50 tokens) rides along. The policy measures those steps (else it would
+    draft the full budget forever, as before it has measured) and plans on the tokens they
+    carry, so drafts that are never accepted stop; a step after the engine sat idle (only new
+    requests) is not a cost."""
+    c, policy = Clock(), GoodputPolicy(K, clock=Clock())
+    policy.clock = c
+    step_time = roofline(memory_bound_tokens=8, seconds=0.010)
+    running, drafted, chosen = [f"r{i}" for i in range(16)], dict.fromkeys([f"r{i}" for i in range(16)], 0), []
+    for step in range(60):
+        tokens = len(running) + sum(drafted.values()) + 50
+        c.now += float(step_time(tokens))
+        policy.observe_step(tokens, running, drafted, dict.fromkeys(running, 0))
+        depth = policy.heads_to_run([K] * 16)
+        policy.heads_timed(0.0)
+        lengths = policy.lengths(np.full((16, depth), 0.6), [depth] * 16) if depth else [0] * 16
+        policy.end_step(running)
+        chosen.append(sum(lengths))
+        running = running[1:] + [f"new{step}"]
+        drafted = dict(zip(running, lengths[1:] + [0]))
+    assert chosen[0] == 16 * K and chosen[-10:] == [0] * 10
+    assert policy.base_tokens > 16 + 40  # the decodes and ~50 prefill tokens
+    samples = sum(len(s) for m in policy.step_costs.models.values() for s in m.samples.values())
+    c.now += 60.0  # the engine idles; then only new requests
+    policy.observe_step(4, ["a", "b", "c", "d"], {}, {})
+    assert sum(len(s) for m in policy.step_costs.models.values() for s in m.samples.values()) == samples
 
 
 def test_a_policy_that_stopped_drafting_looks_again_less_and_less_often():
@@ -175,7 +203,7 @@ def test_heads_follow_the_policy():
                                       num_attention_heads=2, num_key_value_heads=2, head_dim=8))
     h, first = torch.randn(3, H), torch.tensor([1, 2, 3])
     policy = GoodputPolicy(K, clock=Clock())
-    policy.observe_step(num_tokens=3, num_requests=3, base_tokens=3, verified={}, accepted={})
+    policy.observe_step(num_tokens=3, req_ids=["a", "b", "c"], verified={}, accepted=dict.fromkeys("abc", 0))
     assert [len(d) for d in clover.propose(h, first, lm_head, [4, 2, 0], policy)] == [4, 2, 0]
     for _ in range(3):  # heads that cost as much as a step, drafting tokens it rarely gets right
         policy.step_costs.observe(3, 3, 0.01)
@@ -188,7 +216,7 @@ def test_heads_follow_the_policy():
         clp.length.weight.zero_()
         clp.length.bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.0, 20.0]))  # P(L* = 4) ~ 1
     flat = GoodputPolicy(K, clock=Clock())
-    flat.observe_step(num_tokens=3, num_requests=3, base_tokens=3, verified={}, accepted={})
+    flat.observe_step(num_tokens=3, req_ids=["a", "b", "c"], verified={}, accepted=dict.fromkeys("abc", 0))
     for _ in range(3):  # cheap heads, and a step whose time no draft changes
         flat.step_costs.observe(3, 3, 0.01)
         flat.heads_costs.observe(3, 1, 0.0001)

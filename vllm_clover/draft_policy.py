@@ -60,6 +60,7 @@ BUCKETS_PER_OCTAVE = 2
 EXPLORE_AFTER = 200
 EXPLORE_AFTER_MAX = 3200
 EXPLORE_STEPS = 4
+PREFILL_SMOOTHING = 0.1   # weight of the latest step in the running mean of prefill tokens per step
 
 
 def check_policy(name: object) -> str:
@@ -207,7 +208,7 @@ def non_decreasing(values: np.ndarray, weights: list[int]) -> np.ndarray:
     return np.array([mean for mean, _, length in blocks for _ in range(length)])
 
 
-def plan_lengths(rates: np.ndarray, budgets: list[int], base_tokens: int, step_time,
+def plan_lengths(rates: np.ndarray, budgets: list[int], base_tokens: float, step_time,
                  heads_time=None) -> list[int]:
     """Per row, the draft length that maximises the step's goodput (module docstring).
 
@@ -266,7 +267,10 @@ class GoodputPolicy:
         self.step_costs = CostsByBatch()    # by requests, then tokens the step runs
         self.heads_costs = CostsByBatch()   # by rows, then positions the heads draft
         self.clock = clock
-        self.base_tokens = 1
+        self.requests = 1             # the next step's: requests that sampled a token in this one
+        self.prefill_tokens = 0.0     # prefill tokens per step, smoothed over recent steps
+        self.base_tokens = 1.0        # what the next step runs before drafts
+        self._running: set[str] = set()  # the requests of the last step
         self.explore_after = EXPLORE_AFTER
         self._since_explored = 0       # steps since the last look at the full budget
         self._exploring = 0            # full-budget steps left in this look
@@ -282,20 +286,28 @@ class GoodputPolicy:
 
     # ---- the runner hook ----
 
-    def observe_step(self, num_tokens: int, num_requests: int, base_tokens: int, verified: dict[str, int],
-                     accepted: dict[str, int], decode_only: bool = True) -> None:
-        """At the start of a draft step: this step ran `num_tokens` tokens for `num_requests`
-        requests; the next one runs `base_tokens` before drafts; per request id, how many of
-        its drafts were verified and how many accepted. `decode_only`: no request ran a
-        prefill chunk, so the step is one the policy chooses between (a prefill's step also
-        follows whatever wait brought its request, not a cost of drafting)."""
+    def observe_step(self, num_tokens: int, req_ids: list[str], verified: dict[str, int],
+                     accepted: dict[str, int]) -> None:
+        """At the start of a draft step: this step ran `num_tokens` tokens for the requests
+        `req_ids`; per request id, how many of its drafts were verified, and for each that
+        sampled a token (and so runs one next step), how many were accepted.
+
+        The step's time counts unless the engine may have sat idle before it (none of its
+        requests ran in the step before: a new wave, or a request after a quiet spell), which
+        is a wait, not a cost. Steps carrying prefill chunks count: under steady arrivals
+        nearly every step carries one, and the next step likely will too, so the tokens the
+        policy plans on are the decodes plus the recent prefill tokens per step."""
         now = self.clock()
         self._schedule_exploration()
-        if self._last_step_start is not None and decode_only:
+        if self._last_step_start is not None and not self._running.isdisjoint(req_ids):
             # Since the last draft step began: its heads, then this whole engine step.
-            self.step_costs.observe(num_requests, num_tokens, now - self._last_step_start - self._heads_seconds)
+            self.step_costs.observe(len(req_ids), num_tokens, now - self._last_step_start - self._heads_seconds)
+            prefill = max(num_tokens - len(req_ids) - sum(verified.values()), 0)  # beyond a token a request
+            self.prefill_tokens += PREFILL_SMOOTHING * (prefill - self.prefill_tokens)
         self._last_step_start, self._heads_seconds, self._heads_run = now, 0.0, 0
-        self.base_tokens = max(base_tokens, 1)
+        self._running = set(req_ids)
+        self.requests = max(len(accepted), 1)
+        self.base_tokens = self.requests + self.prefill_tokens
         if self._pending is not None:
             req_ids, confidence, lengths = self._pending
             judged = np.minimum([verified.get(r, 0) for r in req_ids], lengths)
@@ -346,7 +358,7 @@ class GoodputPolicy:
 
     def _costs(self, with_heads: bool):
         """(step_time, heads_time or None) for this batch, or None while either is unmeasured."""
-        step = self.step_costs.model(self.base_tokens)
+        step = self.step_costs.model(self.requests)
         if not with_heads:
             return None if step is None else (step.predict, None)
         heads = self.heads_costs.model(self._rows)

@@ -72,17 +72,13 @@ def propose(runner: GPUModelRunner, model: HeadsDraftModel, scheduler_output: Sc
 
 def report_step(policy: GoodputPolicy, req_ids: list[str | None], sampled_token_ids: list[list[int]],
                 num_draft_tokens: list[int] | None, num_tokens: int) -> None:
-    """What the goodput policy learns from the step that just ran: how many tokens it ran,
-    whether they were all decodes (each request one token and its verified drafts), and per
-    request how many drafts vLLM verified and accepted (all but the last sampled token are
-    accepted drafts). The next step runs one token for every request that sampled one,
-    before drafts (a request still prefilling adds its next chunk, unknown)."""
-    drafts = num_draft_tokens or []
-    verified = dict(zip(req_ids, drafts))
+    """What the goodput policy learns from the step that just ran: how many tokens it ran for
+    which requests, and per request how many drafts vLLM verified and accepted (all but the
+    last sampled token are accepted drafts; a request still prefilling samples nothing)."""
+    req_ids = req_ids[: len(sampled_token_ids)]
+    verified = dict(zip(req_ids, num_draft_tokens or []))
     accepted = {req_id: len(sampled) - 1 for req_id, sampled in zip(req_ids, sampled_token_ids) if sampled}
-    verified = {req_id: n for req_id, n in verified.items() if req_id in accepted}
-    decode_only = num_tokens == len(sampled_token_ids) + sum(drafts) and len(accepted) == len(sampled_token_ids)
-    policy.observe_step(num_tokens, len(sampled_token_ids), len(accepted), verified, accepted, decode_only)
+    policy.observe_step(num_tokens, req_ids, verified, accepted)
 
 
 LOG_INTERVAL_SECONDS = 30.0
