@@ -137,6 +137,20 @@ def test_profile_sections_match_the_committed_profiles(name):
         f"{results_file.relative_to(REPO)} --readme README.md --section profile-{name} --brief")
 
 
+@pytest.mark.parametrize("target", ["demo", "smollm2"])
+def test_load_sections_match_the_committed_load_runs(target):
+    results_file = POLICY_RESULTS / f"{target}-load.json"
+    if not results_file.exists():
+        pytest.skip(f"no committed load run for {target}")
+    record = json.loads(results_file.read_text())
+    text = report.load_markdown(record, results_file.relative_to(REPO))
+    assert all(f"| {method} |" in text for method in record["results"])
+    start, end = report.markers(f"load-{target}")
+    assert f"{start}\n{text}\n{end}" in (REPO / "README.md").read_text(), (
+        f"README section load-{target} is stale: rerun python -m benchmarks.report "
+        f"{results_file.relative_to(REPO)} --readme README.md --section load-{target}")
+
+
 def test_a_failing_method_is_reported_and_the_run_completes(tmp_path, monkeypatch):
     from benchmarks import run
 
