@@ -294,10 +294,8 @@ class GoodputPolicy:
         request after a quiet spell): that is a wait, not a cost. Steps carrying prefill chunks
         count (under steady arrivals nearly every step carries one): they measure the slope of
         the step time at larger token counts. The policy plans on the decodes alone: a prompt
-        is prefilled once whatever is drafted, so only what drafts add to the decodes' tokens
-        is theirs to pay for (planning on decodes plus prefill tokens made drafts look cheap
-        next to a prefill-heavy step, and Clover drafted ~1 token per generated token at
-        48 requests/s on the demo base, 4x plain decoding's latency)."""
+        is prefilled once whatever is drafted, so drafts must pay for what they add to the
+        decodes' step, not look cheap next to a prefill-heavy one."""
         now = self.clock()
         self._schedule_exploration()
         if self._last_step_start is not None and not self._running.isdisjoint(req_ids):
@@ -307,9 +305,9 @@ class GoodputPolicy:
         self._running = set(req_ids)
         self.base_tokens = max(len(accepted), 1)
         if self._pending is not None:
-            req_ids, confidence, lengths = self._pending
-            judged = np.minimum([verified.get(r, 0) for r in req_ids], lengths)
-            self.acceptance.observe(confidence, judged, np.array([accepted.get(r, 0) for r in req_ids]))
+            drafted_ids, confidence, lengths = self._pending
+            judged = np.minimum([verified.get(r, 0) for r in drafted_ids], lengths)
+            self.acceptance.observe(confidence, judged, np.array([accepted.get(r, 0) for r in drafted_ids]))
         self._pending, self._lengths = None, np.zeros(0, dtype=np.int64)
 
     def heads_timed(self, seconds: float) -> None:
