@@ -20,7 +20,7 @@ demo)
 smollm2)
     [ -f runs/smollm2-135m-instruct/config.json ] || make real-base
     $PY -m benchmarks.load "${COMMON[@]}" --base-model runs/smollm2-135m-instruct --heads-dir assets/smollm2-heads \
-        --prompts ../shared/data/spec_bench_questions.jsonl --num-prompts 80 --rates 0.1,0.5,1.5,3,1.5,0.5,0.1 \
+        --prompts ../shared/data/spec_bench_questions.jsonl --num-prompts 80 --rates 0.2,0.5,1,2,1,0.5,0.2 \
         --phase-seconds 30 --max-model-len 2048 --kv-cache-mb 1536 --enforce-eager
     ;;
 *)

@@ -165,10 +165,11 @@ def test_under_steady_arrivals_every_step_carries_a_prefill_and_still_counts():
         running = running[1:] + [f"new{step}"]
         drafted = dict(zip(running, lengths[1:] + [0]))
     assert chosen[0] == 16 * K and chosen[-10:] == [0] * 10 and policy.base_tokens == 16
-    samples = sum(len(s) for m in policy.step_costs.models.values() for s in m.samples.values())
+    assert not policy.step_costs.models  # no decode-only step: the prefill steps' tables decided
+    samples = sum(len(s) for m in policy.prefill_step_costs.models.values() for s in m.samples.values())
     c.now += 60.0  # the engine idles; then only new requests
     policy.observe_step(4, ["a", "b", "c", "d"], {}, {})
-    assert sum(len(s) for m in policy.step_costs.models.values() for s in m.samples.values()) == samples
+    assert sum(len(s) for m in policy.prefill_step_costs.models.values() for s in m.samples.values()) == samples
 
 
 def test_a_policy_that_stopped_drafting_looks_again_less_and_less_often():

@@ -263,7 +263,8 @@ class GoodputPolicy:
 
     def __init__(self, num_positions: int, clock: Callable[[], float] = time.perf_counter):
         self.acceptance = AcceptanceModel(num_positions)
-        self.step_costs = CostsByBatch()    # by requests, then tokens the step runs
+        self.step_costs = CostsByBatch()    # by requests, then tokens the step runs: decode-only steps
+        self.prefill_step_costs = CostsByBatch()  # the same for steps that carried prefill chunks
         self.heads_costs = CostsByBatch()   # by rows, then positions the heads draft
         self.clock = clock
         self.base_tokens = 1          # the next step's decodes: requests that sampled a token in this one
@@ -291,16 +292,19 @@ class GoodputPolicy:
 
         The step's time counts, as the time of `num_tokens` tokens, unless the engine may have
         sat idle before it (none of its requests ran in the step before: a new wave, or a
-        request after a quiet spell): that is a wait, not a cost. Steps carrying prefill chunks
-        count (under steady arrivals nearly every step carries one): they measure the slope of
-        the step time at larger token counts. The policy plans on the decodes alone: a prompt
-        is prefilled once whatever is drafted, so drafts must pay for what they add to the
-        decodes' step, not look cheap next to a prefill-heavy one."""
+        request after a quiet spell): that is a wait, not a cost. Steps that carried a prefill
+        chunk go to their own tables (`prefill_step_costs`), used only for a batch size with
+        no estimate from decode-only steps: a prompt's tokens cost less each than drafts
+        verified across the batch (the demo base drafted twice as much at batch 64 when they
+        were mixed), but under steady arrivals nearly every step carries one. The policy plans
+        on the decodes alone: a prompt is prefilled once whatever is drafted."""
         now = self.clock()
         self._schedule_exploration()
         if self._last_step_start is not None and not self._running.isdisjoint(req_ids):
             # Since the last draft step began: its heads, then this whole engine step.
-            self.step_costs.observe(len(req_ids), num_tokens, now - self._last_step_start - self._heads_seconds)
+            decode_only = num_tokens == len(req_ids) + sum(verified.values()) and len(accepted) == len(req_ids)
+            costs = self.step_costs if decode_only else self.prefill_step_costs
+            costs.observe(len(req_ids), num_tokens, now - self._last_step_start - self._heads_seconds)
         self._last_step_start, self._heads_seconds, self._heads_run = now, 0.0, 0
         self._running = set(req_ids)
         self.base_tokens = max(len(accepted), 1)
@@ -354,7 +358,7 @@ class GoodputPolicy:
 
     def _costs(self, with_heads: bool):
         """(step_time, heads_time or None) for this batch, or None while either is unmeasured."""
-        step = self.step_costs.model(self.base_tokens)
+        step = self.step_costs.model(self.base_tokens) or self.prefill_step_costs.model(self.base_tokens)
         if not with_heads:
             return None if step is None else (step.predict, None)
         heads = self.heads_costs.model(self._rows)
@@ -381,6 +385,7 @@ class GoodputPolicy:
         mean = self.acceptance.mean_rates()
         return {
             "step_seconds_by_requests_and_tokens": self.step_costs.as_dict(),
+            "prefill_step_seconds_by_requests_and_tokens": self.prefill_step_costs.as_dict(),
             "heads_seconds_by_rows_and_positions": self.heads_costs.as_dict(),
             "mean_acceptance_rate_per_position": None if mean is None else [round(float(x), 4) for x in mean],
             "judged_drafts_per_position": self.acceptance.tried.sum(1).astype(int).tolist(),
