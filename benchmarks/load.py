@@ -26,12 +26,12 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.run import REPO, load_prompts, speculative_config
+from benchmarks.run import add_engine_arguments, load_prompts, speculative_config
 from vllm_clover.atomic import atomic_write_text
 
 # /metrics counters read at every phase boundary (Prometheus names, `_total` suffix).
@@ -194,7 +194,7 @@ def wait_until_healthy(url: str, server: subprocess.Popen, log: Path, timeout: f
 @dataclass
 class MethodRun:
     summary: dict
-    texts: list[str] = field(repr=False)
+    texts: list[str]             # per request, in arrival order
     drafting_log: list[str]
 
 
@@ -213,7 +213,11 @@ def run_method(method: str, args, prompts: list, arrivals) -> MethodRun:
                                                   len(args.rates), args.max_tokens))
         finally:
             server.terminate()
-            server.wait(timeout=60)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
     drafting = [line.split("] ", 1)[-1].strip() for line in log.read_text().splitlines()
                 if "draft tokens per request and step" in line]
     return MethodRun(summarise(records, counters, args.rates), [r.text for r in records], drafting)
@@ -240,14 +244,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", default="heldout", help="heldout, humaneval, or a JSONL file")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--num-speculative-tokens", dest="k", type=int, default=4)
-    parser.add_argument("--base-model", type=Path, default=REPO / "assets" / "demo-base")
-    parser.add_argument("--heads-dir", type=Path, default=REPO / "assets" / "demo-heads")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--max-model-len", type=int, default=1024)
+    add_engine_arguments(parser)
     parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--kv-cache-mb", type=int, default=1024)
-    parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--port", type=int, default=8642)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)

@@ -466,6 +466,18 @@ def environment(argv: list[str]) -> dict:
     }
 
 
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The target, the heads and the engine settings (benchmarks.run and benchmarks.load)."""
+    parser.add_argument("--num-speculative-tokens", dest="k", type=int, default=4)
+    parser.add_argument("--base-model", type=Path, default=REPO / "assets" / "demo-base")
+    parser.add_argument("--heads-dir", type=Path, default=REPO / "assets" / "demo-heads")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--kv-cache-mb", type=int, default=1024)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no torch.compile: engines start in ~25 s instead of ~60 s on 2 cores, run slower")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default=",".join(BENCHMARK_METHODS))
@@ -477,14 +489,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="send prompts as text even when the base model has a chat template")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--num-speculative-tokens", dest="k", type=int, default=4)
-    parser.add_argument("--base-model", type=Path, default=REPO / "assets" / "demo-base")
-    parser.add_argument("--heads-dir", type=Path, default=REPO / "assets" / "demo-heads")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--kv-cache-mb", type=int, default=1024)
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="no torch.compile: engines start in ~25 s instead of ~60 s on 2 cores, run slower")
+    add_engine_arguments(parser)
     parser.add_argument("--rounds", type=int, default=3,
                         help="interleaved rounds per batch size (speed is their median, the spread their range)")
     parser.add_argument("--profile", action="store_true",
