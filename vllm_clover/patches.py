@@ -29,8 +29,8 @@ last by the runner hook, in a CPU worker that drafts with one of our models.
   no_draft_rpc              EngineCore.post_step
       vLLM's engine core fetches each step's drafts from the worker with a separate RPC
       (`take_draft_token_ids`, in post_step) after the one that returned the sampled
-      tokens: a third round trip through the worker's message queue every step, ~0.5 ms
-      on a 2-core CPU (7% of a batch-16 step of the demo base, py-spy). For runners that
+      tokens: a third round trip through the worker's message queue every step (py-spy:
+      ~6% of a speculative engine core's time, demo base at batch 16). For runners that
       draft with our models, attach the drafts to the step's ModelRunnerOutput; the
       scheduler keeps what arrived, and post_step hands it to update_draft_token_ids as
       vLLM would, without the RPC. Outputs without our attribute take vLLM's path.
