@@ -162,8 +162,8 @@ def summarise(records: list[Completion], counters: list[dict], rates: list[float
             "first_errors": [r.error for r in records if r.error][:3]}
 
 
-def serve_command(method: str, args, port: int) -> list[str]:
-    command = [sys.executable, "-m", "vllm_clover.vllm_cli", "serve", str(args.base_model), "--port", str(port),
+def serve_command(method: str, args) -> list[str]:
+    command = [sys.executable, "-m", "vllm_clover.vllm_cli", "serve", str(args.base_model), "--port", str(args.port),
                "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--seed", "0",
                "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory-bytes", str(args.kv_cache_mb << 20)]
     if args.enforce_eager:
@@ -199,10 +199,10 @@ class MethodRun:
 
 
 def run_method(method: str, args, prompts: list, arrivals) -> MethodRun:
-    port, url = args.port, f"http://127.0.0.1:{args.port}"
+    url = f"http://127.0.0.1:{args.port}"
     log = args.out.with_suffix(f".{method}.log")
     with open(log, "w") as log_file:
-        server = subprocess.Popen(serve_command(method, args, port), stdout=log_file, stderr=subprocess.STDOUT,
+        server = subprocess.Popen(serve_command(method, args), stdout=log_file, stderr=subprocess.STDOUT,
                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
             wait_until_healthy(url, server, log)

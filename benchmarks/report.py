@@ -30,14 +30,18 @@ def markers(section: str) -> tuple[str, str]:
     return f"<!-- {section}:start -->", f"<!-- {section}:end -->"
 
 
-def grid(results: dict, cell, methods=None) -> str:
-    methods = methods or list(results)
-    batches = sorted({int(b) for r in results.values() for b in r}, key=int)
-    lines = ["| method | " + " | ".join(f"batch {b}" for b in batches) + " |", "|---" * (len(batches) + 1) + "|"]
-    for method in methods:
-        cells = [cell(results[method][str(b)], b) if str(b) in results[method] else "–" for b in batches]
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+def table(columns: list[str], rows: dict[str, list[str]], first: str = "method") -> str:
+    """A Markdown table: a row per key of `rows` (headed `first`), its cells under `columns`."""
+    lines = [f"| {first} | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    lines += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows.items()]
     return "\n".join(lines)
+
+
+def grid(results: dict, cell, methods=None) -> str:
+    batches = sorted({int(b) for r in results.values() for b in r}, key=int)
+    return table([f"batch {b}" for b in batches],
+                 {m: [cell(results[m][str(b)], b) if str(b) in results[m] else "–" for b in batches]
+                  for m in methods or results})
 
 
 def markdown(report: dict, results_file: Path, brief: bool = False) -> str:
@@ -130,14 +134,12 @@ def step_table(results: dict, batches: list[int]) -> list[str]:
     if not columns:
         return []
     parts = list(dict.fromkeys(part for m, b in columns for part in results[m][str(b)]["step_seconds"]))
-    lines = ["| part (ms per step) | " + " | ".join(f"{m} b{b}" for m, b in columns) + " |",
-             "|---" * (len(columns) + 1) + "|"]
-    for part in parts:
-        cells = [results[m][str(b)]["step_seconds"].get(part) for m, b in columns]
-        lines.append(f"| {PART_NAMES.get(part, part)} | "
-                     + " | ".join("–" if c is None else f"{1000 * c:.2f}" for c in cells) + " |")
+    rows = {PART_NAMES.get(part, part): ["–" if c is None else f"{1000 * c:.2f}" for c in
+                                         (results[m][str(b)]["step_seconds"].get(part) for m, b in columns)]
+            for part in parts}
     return ["**Where a step's time goes** (`--profile`; worker wall clock per engine step, CPU ops are "
-            "synchronous; draft.* rows are parts of the draft step):", "\n".join(lines)]
+            "synchronous; draft.* rows are parts of the draft step):",
+            table([f"{m} b{b}" for m, b in columns], rows, first="part (ms per step)")]
 
 
 PART_NAMES = {
@@ -164,18 +166,15 @@ def category_tables(results: dict) -> list[str]:
     categories = list(next(r["1"]["by_category"] for r in results.values() if "by_category" in r.get("1", {})))
     spec = [m for m in results if m != "vanilla"]
 
-    def table(cell, methods):
-        lines = ["| method | " + " | ".join(categories) + " |", "|---" * (len(categories) + 1) + "|"]
-        for m in methods:
-            by_category = results[m].get("1", {}).get("by_category", {})
-            lines.append(f"| {m} | " + " | ".join(cell(by_category[c]) if c in by_category else "–"
-                                                 for c in categories) + " |")
-        return "\n".join(lines)
+    def by_category(cell, methods):
+        rows = {m: results[m].get("1", {}).get("by_category", {}) for m in methods}
+        return table(categories, {m: [cell(r[c]) if c in r else "–" for c in categories] for m, r in rows.items()})
 
     return ["**Batch 1 by Spec-Bench task: output tokens/s (speed-up over vanilla):**",
-            table(lambda r: f"{r['output_tokens_per_s']:.1f} ({r.get('speedup_over_vanilla', 1):.2f}x)", list(results)),
+            by_category(lambda r: f"{r['output_tokens_per_s']:.1f} ({r.get('speedup_over_vanilla', 1):.2f}x)",
+                        list(results)),
             "**Batch 1 by Spec-Bench task: mean acceptance length:**",
-            table(lambda r: f"{r.get('mean_acceptance_length', 1):.2f}", spec)]
+            by_category(lambda r: f"{r.get('mean_acceptance_length', 1):.2f}", spec)]
 
 
 def load_markdown(record: dict, results_file: Path) -> str:
@@ -184,11 +183,9 @@ def load_markdown(record: dict, results_file: Path) -> str:
     results, settings = record["results"], record["settings"]
     phases = [f"{rate:g}/s" for rate in settings["rates"]]
 
-    def table(cell, methods=None) -> str:
-        lines = ["| method | " + " | ".join(phases) + " |", "|---" * (len(phases) + 1) + "|"]
-        for method in results if methods is None else methods:
-            lines.append(f"| {method} | " + " | ".join(cell(p) for p in results[method]["phases"]) + " |")
-        return "\n".join(lines)
+    def by_phase(cell, methods=None) -> str:
+        methods = results if methods is None else methods
+        return table(phases, {m: [cell(p) for p in results[m]["phases"]] for m in methods})
 
     def ms(seconds):
         return "–" if seconds is None else f"{1000 * seconds:.0f}"
@@ -201,12 +198,12 @@ def load_markdown(record: dict, results_file: Path) -> str:
         f"requests/s in the column heads) and prompts, {settings['max_tokens']} tokens per request (greedy, "
         "streamed); the client never waits for answers before sending more.",
         "**Latency per request, ms: median / p99** (by the phase the request arrived in):",
-        table(lambda p: f"{ms(p['latency_p50'])} / {ms(p['latency_p99'])}"),
+        by_phase(lambda p: f"{ms(p['latency_p50'])} / {ms(p['latency_p99'])}"),
         "**Time per output token after the first, ms (mean) and, in brackets, time to first token, ms (mean):**",
-        table(lambda p: f"{1000 * p['tpot_mean']:.1f} ({ms(p['ttft_mean'])})" if p["tpot_mean"] else "–"),
+        by_phase(lambda p: f"{1000 * p['tpot_mean']:.1f} ({ms(p['ttft_mean'])})" if p["tpot_mean"] else "–"),
         "**Draft tokens per generated token** and, in brackets, **share of drafts accepted** (the server's "
         "counters over each phase):",
-        table(lambda p: "–" if p["draft_tokens_per_generated"] is None else
+        by_phase(lambda p: "–" if p["draft_tokens_per_generated"] is None else
               f"{p['draft_tokens_per_generated']:.2f} ({p['acceptance_rate'] or 0:.2f})", spec),
         "**Requests, errors, outputs different from vanilla's, output tokens/s over the run:** " + "; ".join(
             f"{m} {r['requests']}, {r['errors']}, {r['mismatches']}, {r['output_tokens_per_second']:.0f}"
