@@ -15,8 +15,10 @@ from vllm_clover.draft_policy import (
     EXPLORE_STEPS,
     AcceptanceModel,
     CostModel,
+    CostsByBatch,
     GoodputPolicy,
     check_policy,
+    estimate,
     non_decreasing,
     plan_lengths,
 )
@@ -95,6 +97,40 @@ def test_step_cost_interpolates_and_guesses_the_unmeasured_side_cheap():
         cost.observe(8, 0.005)
     assert cost.predict(np.array([4]))[0] == pytest.approx(cost.predict(np.array([8]))[0])
     assert 0.005 < cost.predict(np.array([8]))[0] < 0.010
+
+
+def test_an_unmeasured_batch_size_is_read_per_request_from_its_nearest_neighbour():
+    steps = CostsByBatch(sizes_per_batch=True)
+    for _ in range(3):  # batch 4: 1 token a request costs 10 ms, 5 tokens a request 30 ms
+        steps.observe(4, 4, 0.010)
+        steps.observe(4, 20, 0.030)
+    assert estimate(8, []) is None and estimate(8, [CostsByBatch(sizes_per_batch=True)]) is None
+    at_8 = estimate(8, [steps])
+    assert at_8(np.array([8, 40])).tolist() == pytest.approx([0.020, 0.060])
+    heads = CostsByBatch(sizes_per_batch=False)
+    for _ in range(3):
+        heads.observe(4, 2, 0.004)
+    assert estimate(8, [heads])(np.array([2]))[0] == pytest.approx(0.008)  # positions stay, rows double the time
+
+    for _ in range(3):  # batch 8 measured, but only without drafts: above that, it grows as batch 4's does
+        steps.observe(8, 8, 0.012)
+    assert estimate(8, [steps])(np.array([8, 40])).tolist() == pytest.approx([0.012, 0.036])
+    prefill = CostsByBatch(sizes_per_batch=True)
+    for _ in range(3):
+        prefill.observe(6, 70, 0.050)
+    assert estimate(6, [steps, prefill])(np.array([70]))[0] == pytest.approx(0.050)  # its own size first
+
+
+def test_a_growing_queue_does_not_draft_at_each_new_batch_size():
+    """The load run's gap: under a queue the batch keeps reaching sizes never measured, and the
+    policy drafted the full budget at each until it had measured it; now it plans there as
+    at the nearest batch size it knows."""
+    c = Clock()
+    policy = GoodputPolicy(K, clock=c)
+    step_time = roofline(memory_bound_tokens=8, seconds=0.010)
+    assert sum(run_steps(policy, c, 16, step_time, steps=30)[-1]) == 0
+    for batch in (20, 24, 30, 40, 48, 60, 64):
+        assert all(sum(s) == 0 for s in run_steps(policy, c, batch, step_time, steps=4))
 
 
 def test_non_decreasing_pools_violators_by_weight():

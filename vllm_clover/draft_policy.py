@@ -23,9 +23,10 @@ and the load: acceptance from what vLLM's rejection sampler accepted, per draft 
 and per bin of the heads' own confidence (a calibrated head's top-1 probability is its
 chance of being right, which is the prior); the step time from the wall time between
 successive draft steps, per batch size and token count (both in buckets); the heads' time
-per number of rows and positions. Until the models have measured a batch size the policy
-drafts the full budget there, which is also how it measures; every so often it drafts the
-full budget again, to re-measure (EXPLORE_AFTER, less often while that keeps not paying).
+per number of rows and positions. A batch size not yet measured borrows the nearest measured
+one's figures (`estimate`); until any is measured the policy drafts the full budget, which
+is also how it measures; every so often it drafts the full budget again, to re-measure
+(EXPLORE_AFTER, less often while that keeps not paying).
 
 `fixed` (speculative_config "draft_policy": "fixed") keeps each method's own rule: Clover
 drafts its budget, CLP thresholds its predicted length at tau.
@@ -176,22 +177,61 @@ class CostModel:
 class CostsByBatch:
     """One CostModel per bucket of batch size: a step's time depends on how many requests it
     carries (attention, sampling and bookkeeping per request), not only on its tokens, and
-    a policy only ever chooses between loads of the batch it has."""
+    a policy only ever chooses between loads of the batch it has.
 
-    def __init__(self):
+    `sizes_per_batch`: the sizes the models take grow with the batch (a step's tokens), or
+    are per request (the positions the heads draft for every row)."""
+
+    def __init__(self, sizes_per_batch: bool):
         self.models: dict[int, CostModel] = {}
+        self.batch_sizes: dict[int, deque[int]] = {}   # bucket -> its latest batch sizes
+        self.sizes_per_batch = sizes_per_batch
 
     def observe(self, requests: int, n: int, seconds: float) -> None:
-        self.models.setdefault(bucket(requests), CostModel()).observe(n, seconds)
+        b = bucket(requests)
+        self.models.setdefault(b, CostModel()).observe(n, seconds)
+        self.batch_sizes.setdefault(b, deque(maxlen=SAMPLES_PER_BUCKET)).append(requests)
 
-    def model(self, requests: int) -> CostModel | None:
-        """The batch's model once one of its buckets has MIN_SAMPLES samples, else None."""
-        found = self.models.get(bucket(requests))
-        return found if found is not None and found.knows() else None
+    def measured(self) -> dict[int, CostModel]:
+        """Batch-size bucket -> its model, for buckets with an estimate (MIN_SAMPLES)."""
+        return {b: m for b, m in self.models.items() if m.knows()}
+
+    def scaled(self, measured_bucket: int, requests: int) -> tuple[Callable, float]:
+        """A measured bucket's model read for a batch of `requests` as if every request cost
+        what one of that bucket's did (per request the same sizes and seconds), and the
+        largest size it has measured, in the batch's own sizes."""
+        model, ratio = self.models[measured_bucket], requests / statistics.median(self.batch_sizes[measured_bucket])
+        largest = model.table()[0][-1]
+        if self.sizes_per_batch:
+            return (lambda n: model.predict(np.asarray(n) / ratio) * ratio), largest * ratio
+        return (lambda n: model.predict(n) * ratio), largest
 
     def as_dict(self) -> dict[str, dict[str, float]]:
-        return {f"{2 ** (b / BUCKETS_PER_OCTAVE):.0f}": m.as_dict() for b, m in sorted(self.models.items())
-                if m.knows()}
+        return {f"{2 ** (b / BUCKETS_PER_OCTAVE):.0f}": m.as_dict() for b, m in sorted(self.measured().items())}
+
+
+def estimate(requests: int, tables: list[CostsByBatch]) -> Callable | None:
+    """Seconds as a function of size for a batch of `requests`, None before any measure.
+
+    From the nearest batch size measured (the first table before later ones, then the larger
+    batch before the smaller): a size not yet measured is planned as its neighbour's, per
+    request, because a queue that grows passes through batch sizes faster than they can be
+    measured (the SmolLM2 load run drafted the full budget at every new size, at 19%
+    acceptance). Above the largest size measured there (steps that never drafted), the cost
+    grows as at the nearest batch size measured further, rather than staying flat."""
+    wanted = bucket(requests)
+    ranked = sorted(((table, b) for table in tables for b in table.measured()),
+                    key=lambda found: (abs(found[1] - wanted), tables.index(found[0]), -found[1]))
+    if not ranked:
+        return None
+    predict, largest = ranked[0][0].scaled(ranked[0][1], requests)
+    wider = [(shape, reach) for shape, reach in (table.scaled(b, requests) for table, b in ranked[1:])
+             if reach > 1.01 * largest]
+    if not wider:
+        return predict
+    shape = wider[0][0]
+    shape_at_largest = max(float(shape(np.array([largest]))[0]), 1e-9)
+    return lambda n: predict(np.minimum(n, largest)) * np.maximum(shape(n) / shape_at_largest, 1.0)
 
 
 def non_decreasing(values: np.ndarray, weights: list[int]) -> np.ndarray:
@@ -263,9 +303,9 @@ class GoodputPolicy:
 
     def __init__(self, num_positions: int, clock: Callable[[], float] = time.perf_counter):
         self.acceptance = AcceptanceModel(num_positions)
-        self.step_costs = CostsByBatch()    # by requests, then tokens the step runs: decode-only steps
-        self.prefill_step_costs = CostsByBatch()  # the same for steps that carried prefill chunks
-        self.heads_costs = CostsByBatch()   # by rows, then positions the heads draft
+        self.step_costs = CostsByBatch(sizes_per_batch=True)  # by requests, then tokens the step runs: decode-only
+        self.prefill_step_costs = CostsByBatch(sizes_per_batch=True)  # the same for steps that carried prefill chunks
+        self.heads_costs = CostsByBatch(sizes_per_batch=False)  # by rows, then positions the heads draft
         self.clock = clock
         self.base_tokens = 1          # the next step's decodes: requests that sampled a token in this one
         self._running: set[str] = set()  # the requests of the last step
@@ -358,13 +398,13 @@ class GoodputPolicy:
 
     def _costs(self, with_heads: bool):
         """(step_time, heads_time or None) for this batch, or None while either is unmeasured."""
-        step = self.step_costs.model(self.base_tokens) or self.prefill_step_costs.model(self.base_tokens)
+        step = estimate(self.base_tokens, [self.step_costs, self.prefill_step_costs])
         if not with_heads:
-            return None if step is None else (step.predict, None)
-        heads = self.heads_costs.model(self._rows)
+            return None if step is None else (step, None)
+        heads = estimate(self._rows, [self.heads_costs])
         if step is None or heads is None:
             return None
-        return step.predict, lambda positions: np.where(positions > 0, heads.predict(positions), 0.0)
+        return step, lambda positions: np.where(positions > 0, heads(positions), 0.0)
 
     def _schedule_exploration(self) -> None:
         """Once a step: start a look at the full budget every `explore_after` steps, that
