@@ -62,6 +62,12 @@ def test_medusa_state_dict_uses_vllm_names():
     assert medusa.vllm_config() == {"medusa_fc_bias": True}
 
 
+def logits_of(heads, base, h_base: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]:
+    from vllm_clover.methods import HeadOutputs
+
+    return HeadOutputs(*heads(h_base, ids, base.lm_head_weight, base.embed_weight)).logits
+
+
 def test_save_load_round_trip_reproduces_every_method(demo_base, tmp_path):
     """What the trainer writes, the loader rebuilds into a module with identical outputs."""
     from vllm_clover import checkpoint
@@ -81,8 +87,7 @@ def test_save_load_round_trip_reproduces_every_method(demo_base, tmp_path):
         checkpoint.save_heads(out, method, heads, demo_base, {})
         config, tensors = checkpoint.load_heads(out, demo_base)
         loaded = checkpoint.build_heads_module(out, config, tensors)
-        before, _ = heads(h_base, ids, base.lm_head_weight)
-        after, _ = loaded(h_base, ids, base.lm_head_weight)
+        before, after = (logits_of(module.eval(), base, h_base, ids) for module in (heads, loaded))
         for a, b in zip(before, after, strict=True):
             assert torch.equal(a, b), method.name
         if method.length_predictor:
@@ -92,7 +97,7 @@ def test_save_load_round_trip_reproduces_every_method(demo_base, tmp_path):
         config, tensors = checkpoint.load_heads(tmp_path / "bf16", demo_base)
         assert {t.dtype for t in tensors.values() if t.is_floating_point()} == {torch.bfloat16}
         half = checkpoint.build_heads_module(tmp_path / "bf16", config, tensors)
-        for a, b in zip(before, half(h_base, ids, base.lm_head_weight)[0], strict=True):
+        for a, b in zip(before, logits_of(half.eval(), base, h_base, ids), strict=True):
             torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
 
 

@@ -47,7 +47,7 @@ def test_short_run_learns_and_writes_a_loadable_checkpoint(method, demo_base, tr
     assert len(losses) >= 20
     assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5, losses
     config, tensors = checkpoint.load_heads(out, demo_base)
-    assert config["vllm_clover"]["method"] == method and config["num_heads"] == 3
+    assert config["vllm_clover"]["method"] == method and config["vllm_clover"]["hyper"]["num_heads"] == 3
     assert set(json.loads((out / "provenance.json").read_text())) >= {
         "git_commit", "versions", "command", "data_sha256", "final_metrics"}
     module = checkpoint.build_heads_module(out, config, tensors)

@@ -17,6 +17,7 @@ class FrozenBase:
 
     model: nn.Module            # HF causal LM
     lm_head_weight: torch.Tensor
+    embed_weight: torch.Tensor  # the input embedding (the LM head's own tensor when tied)
     config: object
 
     @torch.no_grad()
@@ -40,4 +41,5 @@ def load_base(base_dir: Path, dtype: str) -> tuple[FrozenBase, object]:
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=DTYPES[dtype]).eval()
     model.requires_grad_(False)
-    return FrozenBase(model, model.get_output_embeddings().weight, model.config), tokenizer
+    return FrozenBase(model, model.get_output_embeddings().weight, model.get_input_embeddings().weight,
+                      model.config), tokenizer

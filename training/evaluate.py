@@ -26,6 +26,7 @@ from vllm_clover import checkpoint
 from vllm_clover.atomic import atomic_write_text
 from vllm_clover.clp import collocation_lengths, lengths_at_threshold
 from vllm_clover.layers import head_labels
+from vllm_clover.methods import HeadOutputs
 from vllm_clover_training import data as data_mod
 from vllm_clover_training.base import FrozenBase, load_base
 from vllm_clover_training.data import Windows
@@ -37,10 +38,12 @@ TAUS = [round(0.05 * i, 2) for i in range(1, 20)]
 @torch.no_grad()
 def _predictions(heads, base: FrozenBase, windows: Windows, batch_size: int):
     """(the batch's windows, its label ids, per-head logits, length logits or None) batch by batch."""
+    heads.eval()  # EAGLE: every draft, unrolled, without training noise
     for start in range(0, len(windows), batch_size):
         batch = windows[start : start + batch_size]
         labels = label_ids(heads, batch, base.config.vocab_size)
-        yield batch, labels, *heads(base.hidden_states(batch.ids), batch.ids, base.lm_head_weight)
+        outputs = HeadOutputs(*heads(base.hidden_states(batch.ids), batch.ids, base.lm_head_weight, base.embed_weight))
+        yield batch, labels, outputs.logits, outputs.length_logits
 
 
 def _length_predictions(length_logits: torch.Tensor, logits: list[torch.Tensor], batch: Windows,

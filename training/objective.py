@@ -1,5 +1,6 @@
 """The training loss of every method: per-head cross-entropy, plus a length term for heads
-with a length predictor (CLP). What differs between methods lives in their heads module's
+with a length predictor (CLP) and a feature regression for drafts that return one
+(EAGLE). What differs between methods lives in their heads module's
 forward (methods.DraftHeads): here each is one call.
 
 Labels: head i at position t is trained on x_{t+1+i} where the window's loss mask allows it
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 from vllm_clover.clp import collocation_lengths
 from vllm_clover.layers import IGNORE, draft_vocab_labels, head_labels
+from vllm_clover.methods import HeadOutputs
 from vllm_clover_training.base import FrozenBase
 from vllm_clover_training.data import Windows
 
@@ -52,7 +54,7 @@ def losses(heads: nn.Module, base: FrozenBase, windows: Windows, head_weight_dec
     instead of the one token in the data."""
     ids = windows.ids
     h_base = base.hidden_states(ids) if h_base is None else h_base
-    logits, length_logits = heads(h_base, ids, base.lm_head_weight)
+    logits, length_logits, regression = HeadOutputs(*heads(h_base, ids, base.lm_head_weight, base.embed_weight))
     labels_all = label_ids(heads, windows, base.config.vocab_size)
     draft_vocab = draft_vocab_of(heads)
     output_rows = base.lm_head_weight if draft_vocab is None else base.lm_head_weight[draft_vocab]
@@ -80,5 +82,10 @@ def losses(heads: nn.Module, base: FrozenBase, windows: Windows, head_weight_dec
         metrics["loss_length"] = length_ce.item()
         hits = (length_logits[keep].argmax(-1) == target[keep]).sum().item()
         metrics["length_acc"] = hits / max(keep.sum().item(), 1)
+    if regression is not None:  # EAGLE: features regressed onto the base's next hidden state
+        keep = counted(windows, 1)
+        feature_loss = (regression.float() * keep).sum() / keep.sum().clamp(min=1)
+        total = total + feature_loss
+        metrics["loss_features"] = feature_loss.item()
     metrics["loss"] = total.item()
     return total, metrics

@@ -91,7 +91,7 @@ def save_heads(out_dir: Path, method: DraftMethod, heads: DraftHeads, base_dir: 
     `dtype`, floating-point tensors are stored in it (e.g. bf16 to ship heads at half size;
     loading casts them to whatever dtype the model runs in)."""
     base = _base_config(base_dir)
-    config = {
+    medusa_typed = {
         "model_type": "medusa",  # vLLM routes medusa-typed drafts to the registered architecture
         "architectures": [method.architecture],
         "hidden_size": base["hidden_size"],
@@ -99,6 +99,9 @@ def save_heads(out_dir: Path, method: DraftMethod, heads: DraftHeads, base_dir: 
         "num_heads": heads.num_heads,
         "n_predict": heads.num_heads,
         "num_hidden_layers": 1,
+    }
+    config = {
+        **(medusa_typed if method.medusa_typed else {}),
         **heads.vllm_config(),
         "vllm_clover": {"method": method.name, "hyper": heads.checkpoint_hyper(),
                         "base": base_fingerprint(base_dir)},

@@ -206,7 +206,8 @@ class CloverHeads(StateDictCheckpoint, DraftVocabulary, nn.Module):
     # ---- training: all heads at all positions, regressive inputs teacher-forced ----
 
     def forward(self, h_base: torch.Tensor, input_ids: torch.Tensor,
-                lm_head_weight: torch.Tensor) -> tuple[list[torch.Tensor], None]:
+                lm_head_weight: torch.Tensor,
+                embed_weight: torch.Tensor | None = None) -> tuple[list[torch.Tensor], None]:
         """(per head, logits [B, T-1-i, V or N] through the base's LM head; no length logits)."""
         out_weight = self.output_weight(lm_head_weight)
         return [h @ out_weight.T for h in self.head_hidden_states(h_base, input_ids, lm_head_weight)], None

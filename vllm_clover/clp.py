@@ -63,8 +63,8 @@ class ClpHeads(StateDictCheckpoint, DraftVocabulary, nn.Module):
         one LM-head scoring per head (a shorter predicted length reads less)."""
         return numel(self) + self.num_heads * self.scored_rows(vocab_size) * hidden_size
 
-    def forward(self, h_base: torch.Tensor, input_ids: torch.Tensor,
-                lm_head_weight: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def forward(self, h_base: torch.Tensor, input_ids: torch.Tensor, lm_head_weight: torch.Tensor,
+                embed_weight: torch.Tensor | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
         """(per head, logits [B, T-1-i, V or N] through the base's LM head; length logits [B, T, K+1])."""
         T, out_weight = h_base.shape[1], self.output_weight(lm_head_weight)
         logits = [mlp(h_base[:, : T - 1 - i]) @ out_weight.T for i, mlp in enumerate(self.mlps, start=1)]

@@ -81,7 +81,8 @@ class MedusaHeads(DraftVocabulary, nn.Module):
         return numel(self.blocks) + self.num_heads * self.lm_heads[0].weight.numel()
 
     def forward(self, h_base: torch.Tensor, input_ids: torch.Tensor,
-                lm_head_weight: torch.Tensor) -> tuple[list[torch.Tensor], None]:
+                lm_head_weight: torch.Tensor,
+                embed_weight: torch.Tensor | None = None) -> tuple[list[torch.Tensor], None]:
         """Logits per head through its own LM head: K tensors [B, T-1-i, V or N] for 1-based
         head i (see clover.py's shift); input_ids and the base's LM head are not used."""
         T = h_base.shape[1]

@@ -10,21 +10,27 @@ vLLM-free: importing this module imports torch and our heads modules, never vLLM
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 
 from vllm_clover.clover import CloverHeads
 from vllm_clover.clp import ClpHeads
 from vllm_clover.draft_policy import GoodputPolicy
+from vllm_clover.eagle import EagleDraft
 from vllm_clover.errors import CheckpointError, SpecConfigError
 from vllm_clover.layers import LmHead, MakeScorer
 from vllm_clover.medusa import MedusaHeads
 
-# What every heads module's forward returns in training: per draft head i (1-based), logits
-# [B, T-1-i, V] (N with a draft vocabulary) labelled by `layers.head_labels(labels, i)`; and
-# CLP's length logits [B, T, K+1] (None for methods without a length predictor).
-HeadOutputs = tuple[list[torch.Tensor], torch.Tensor | None]
+
+class HeadOutputs(NamedTuple):
+    """What every heads module's forward returns in training (a plain tuple of these fields
+    in this order, the last ones optional)."""
+
+    logits: list[torch.Tensor]                  # per draft head i (1-based): [B, T-1-i, V] (N with a
+    #                                             draft vocabulary), labelled by layers.head_labels(labels, i)
+    length_logits: torch.Tensor | None = None   # CLP's length predictor: [B, T, K+1]
+    feature_loss: torch.Tensor | None = None    # EAGLE's weighted feature regression per position [B, T-2]
 
 
 class FrozenBaseView(Protocol):
@@ -62,10 +68,13 @@ class DraftHeads(Protocol):
     def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None: ...
 
     def vllm_config(self) -> dict:
-        """Extra top-level config.json keys that vLLM's own draft model reads."""
+        """config.json keys that vLLM's own draft model reads: extra to the medusa-typed config,
+        or the whole config when the table entry says `medusa_typed=False`."""
 
-    def forward(self, h_base: torch.Tensor, input_ids: torch.Tensor, lm_head_weight: torch.Tensor) -> HeadOutputs:
-        """Training: all heads at all positions, teacher-forced (see clover.py's shift)."""
+    def forward(self, h_base: torch.Tensor, input_ids: torch.Tensor, lm_head_weight: torch.Tensor,
+                embed_weight: torch.Tensor | None = None) -> HeadOutputs:
+        """Training: all heads at all positions, teacher-forced (see clover.py's shift).
+        `embed_weight`: the base's input embedding, for drafts that read it (EAGLE)."""
 
     def parameters_read_per_step(self, hidden_size: int, vocab_size: int) -> int:
         """Weights one draft step reads, the base's LM-head rows it scores included: what bounds
@@ -116,6 +125,11 @@ class DraftMethod:
     # vllm_models.HeadsDraftModel, run by our runner hook) or vLLM's own (e.g. MedusaModel).
     architecture: str
     served_by_plugin: bool
+    # config.json is medusa-typed (vLLM's draft loader routes it to `architecture`); False: the
+    # heads' vllm_config() is the whole config (EAGLE: a one-layer Llama vLLM renames itself).
+    medusa_typed: bool = True
+    # The speculative_config method under which vLLM's own proposer serves these heads.
+    vllm_method: str | None = None
     # speculative_config "method" names that serve these heads -> whether drafts are
     # accepted without verification (lossy; only CLP's paper mode).
     serving_names: dict[str, bool] = field(default_factory=dict)
@@ -169,12 +183,21 @@ TABLE: tuple[DraftMethod, ...] = (
     ),
     DraftMethod(
         name="medusa", heads=MedusaHeads, description="Medusa heads in vLLM's own format (baseline)",
-        architecture="MedusaModel", served_by_plugin=False, draft_vocab=True,
+        architecture="MedusaModel", served_by_plugin=False, vllm_method="medusa", draft_vocab=True,
+    ),
+    DraftMethod(
+        name="eagle", heads=EagleDraft, description="EAGLE-1 draft for vLLM's own EAGLE proposer (the peer)",
+        architecture="EagleLlamaForCausalLM", served_by_plugin=False, medusa_typed=False, vllm_method="eagle",
+        train_options=(TrainOption("--feature-noise", "feature_noise",
+                                   dict(type=float, default=0.2, help="width of the uniform noise added to "
+                                        "the base's features in training (the authors' 0.2)")),),
     ),
 )
 BY_NAME = {m.name: m for m in TABLE}
 # speculative_config method name -> (the method whose heads it serves, drafts trusted)
 SERVING_NAMES = {name: (m, trust) for m in TABLE for name, trust in m.serving_names.items()}
+# speculative_config method name -> the method whose heads vLLM's own proposer serves under it
+VLLM_SERVED = {m.vllm_method: m for m in TABLE if m.vllm_method}
 
 
 def method_named(name: str, where: str = "") -> DraftMethod:

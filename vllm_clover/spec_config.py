@@ -11,7 +11,8 @@ model runner that our proposer hook lives in.
     {"method": "clp",       "model": HEADS}   verified: output equals plain decoding
     {"method": "clp-trust", "model": HEADS}   the CLP paper's mode: drafts accepted unverified (lossy)
     {"method": "clp", "model": HEADS, "clp_tau": 0.3}   CLP with another threshold than the checkpoint's
-    {"model": HEADS} or {"method": "medusa", ...} with our heads: the checkpoint's method
+    {"model": HEADS} or {"method": "medusa" / "eagle", ...} with our heads: the checkpoint's method
+        (Medusa and EAGLE drafts run in vLLM's own proposers; the plugin only checks them)
     {"method": "clover", "model": HEADS, "draft_policy": "fixed"}   always the full budget
         (default "goodput": lengths per request and step that pay for themselves, draft_policy.py;
         clp-trust is always "fixed")
@@ -33,7 +34,14 @@ from pathlib import Path
 from vllm_clover.checkpoint import CONFIG, build_heads_module, load_heads
 from vllm_clover.draft_policy import DEFAULT_POLICY, check_policy
 from vllm_clover.errors import SpecConfigError
-from vllm_clover.methods import BY_NAME, SERVING_NAMES, DraftMethod, all_serving_option_keys, serving_overrides
+from vllm_clover.methods import (
+    BY_NAME,
+    SERVING_NAMES,
+    VLLM_SERVED,
+    DraftMethod,
+    all_serving_option_keys,
+    serving_overrides,
+)
 
 CARRIER = "medusa"
 # Where the serving options ride to the workers: an attribute of the draft's hf_config,
@@ -68,7 +76,7 @@ def resolve(spec: dict, target_model: str) -> tuple[dict, ServingOptions | None]
     the plugin for every other method and checkpoint.
     """
     name = spec.get("method")
-    if name not in SERVING_NAMES and not (name in (None, CARRIER) and our_heads_config(spec.get("model"))):
+    if name not in SERVING_NAMES and not (name in (None, *VLLM_SERVED) and our_heads_config(spec.get("model"))):
         return spec, None
     option_keys = all_serving_option_keys() | {DRAFT_POLICY}
     ours = {key: spec[key] for key in option_keys if key in spec}
@@ -81,10 +89,11 @@ def resolve(spec: dict, target_model: str) -> tuple[dict, ServingOptions | None]
     base_dir = Path(target_model) if Path(target_model).is_dir() else None
     config, tensors = load_heads(heads_dir, base_dir)
     method = BY_NAME[config["vllm_clover"]["method"]]
-    if name in SERVING_NAMES and SERVING_NAMES[name][0] is not method:
-        wanted = SERVING_NAMES[name][0].name
-        raise SpecConfigError(f"speculative_config method {name!r} needs {wanted} heads, but "
-                              f"{heads_dir / CONFIG} holds {method.name} heads (use method {method.name!r})")
+    wanted = heads_wanted(name)
+    if wanted is not None and wanted is not method:
+        use = method.vllm_method or method.name
+        raise SpecConfigError(f"speculative_config method {name!r} needs {wanted.name} heads, but "
+                              f"{heads_dir / CONFIG} holds {method.name} heads (use method {use!r})")
     build_heads_module(heads_dir, config, tensors)  # every tensor present, with its shape
     check_num_speculative_tokens(spec, config, heads_dir)
     policy_given = DRAFT_POLICY in ours
@@ -95,11 +104,19 @@ def resolve(spec: dict, target_model: str) -> tuple[dict, ServingOptions | None]
             raise SpecConfigError(f"{DRAFT_POLICY} is an option of the plugin's methods "
                                   f"({', '.join(m.name for m in BY_NAME.values() if m.served_by_plugin)}), "
                                   f"not of {method.name} heads, which vLLM's own proposer serves")
-        return spec, None  # heads in vLLM's own format (our Medusa): its own proposer runs them
+        return {**spec, "method": method.vllm_method}, None  # vLLM's own proposer runs them (Medusa, EAGLE)
     trust = SERVING_NAMES[name][1] if name in SERVING_NAMES else False
     policy = serving_policy(policy, policy_given, trust, name)
     check_runner()
     return {**spec, "method": CARRIER}, ServingOptions(method.name, trust, overrides, policy)
+
+
+def heads_wanted(name: str | None) -> DraftMethod | None:
+    """The method whose heads a speculative_config method name serves; None for any of ours:
+    no name, or the medusa carrier, which vLLM's own processes hand back with any of our heads."""
+    if name in SERVING_NAMES:
+        return SERVING_NAMES[name][0]
+    return VLLM_SERVED.get(name) if name != CARRIER else None
 
 
 def serving_policy(policy: object, given: bool, trust: bool, name: str | None) -> str:
@@ -125,8 +142,8 @@ def option_overrides(ours: dict, method: DraftMethod) -> dict:
 
 
 def check_num_speculative_tokens(spec: dict, config: dict, heads_dir: Path) -> None:
-    k, heads = spec.get("num_speculative_tokens"), config["num_heads"]
-    if k is not None and not 1 <= k <= heads:
+    k, heads = spec.get("num_speculative_tokens"), config.get("num_heads")  # EAGLE drafts any K: no num_heads
+    if k is not None and heads is not None and not 1 <= k <= heads:
         raise SpecConfigError(f"num_speculative_tokens is {k}, but {heads_dir} has {heads} draft heads "
                               f"(n_predict in {heads_dir / CONFIG}); use 1..{heads}")
 
