@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Reproduce assets/demo-heads/: self-distilled data from the demo base, then Clover, CLP and
-# Medusa heads (K=4) and the Clover ablations, each scored on the held-out split. CLP's tau
-# is chosen on a validation slice of the training split, never on the held-out modules.
+# Reproduce assets/demo-heads/: self-distilled data from the demo base, then the EAGLE-1 draft,
+# Clover, CLP and Medusa heads (K=4) and the Clover ablations, each scored on the held-out split.
+# CLP's tau is chosen on a validation slice of the training split, never on the held-out modules.
 # Resumable step by step: finished outputs are kept, a killed training run is resumed.
+#   bash scripts/train_demo_heads.sh [all|eagle]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -41,6 +42,8 @@ train() {  # train NAME DEST METHOD [FLAGS...]
     echo "$name: $(cat "$dest/eval-heldout.json" | $PY -c 'import json,sys; print([h["top5"] for h in json.load(sys.stdin)["per_head"]])')"
 }
 
+train eagle "$OUT/eagle" eagle --soft-targets  # the peer, served by vLLM's own EAGLE
+[ "${1:-all}" = eagle ] && exit 0  # `train_demo_heads.sh eagle`: the data and the EAGLE draft only
 train clover "$OUT/clover" clover
 train clp "$OUT/clp" clp
 train medusa "$OUT/medusa" medusa

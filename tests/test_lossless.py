@@ -133,12 +133,18 @@ def test_preempted_long_requests_equal_plain_decoding(plain, speculated):
     assert mismatched(result["preempted"], plain["preempted"]) == []
 
 
-def test_clovers_first_draft_is_accepted_more_often_than_not(speculated):
+# First-draft acceptance floors on these prompts: Clover's is accepted more often than not; the
+# EAGLE draft trained on the same recipe must beat an untrained one by far (a freshly initialised
+# draft of the demo base served by vLLM's EAGLE: 2 of 494 first drafts accepted, 0.4%).
+ACCEPTANCE_FLOORS = {"clover": 0.5, "eagle": 0.25}
+
+
+def test_trained_first_drafts_clear_their_acceptance_floor(speculated):
     method, result = speculated
-    if method != "clover":
-        pytest.skip("the acceptance floor is Clover's")
+    if method not in ACCEPTANCE_FLOORS:
+        pytest.skip(f"no acceptance floor for {method}")
     spec = result["spec"]
-    assert first_draft_acceptance(spec) > 0.5, spec
+    assert first_draft_acceptance(spec) > ACCEPTANCE_FLOORS[method], spec
     assert sum(spec["accepted_per_pos"]) == spec["accepted"]
 
 

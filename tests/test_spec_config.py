@@ -78,6 +78,24 @@ def test_medusa_heads_go_to_vllms_own_medusa(demo_base):
     assert not hasattr(spec.draft_model_config.hf_config, SERVING_ATTR)
 
 
+def test_eagle_drafts_go_to_vllms_own_eagle_checked_first(demo_base, heads_copy):
+    spec = engine_config(demo_base, speculative("eagle", k=6)).speculative_config  # EAGLE drafts any K
+    assert spec.method == "eagle" and spec.num_speculative_tokens == 6
+    assert spec.draft_model_config.architectures == ["EagleLlamaForCausalLM"]
+    assert not hasattr(spec.draft_model_config.hf_config, SERVING_ATTR)
+    with pytest.raises(SpecConfigError, match=r"method 'clover' needs clover heads, but .* holds eagle heads "
+                                              r"\(use method 'eagle'\)"):
+        engine_config(demo_base, {**speculative("eagle"), "method": "clover"})
+    with pytest.raises(SpecConfigError, match=r"method 'eagle' needs eagle heads, but .* holds clover heads"):
+        engine_config(demo_base, {**speculative("clover"), "method": "eagle"})
+    heads = heads_copy("eagle")
+    config = json.loads((heads / "config.json").read_text())
+    config["vllm_clover"]["base"]["hidden_size"] = 576
+    (heads / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="trained for another base model: hidden_size"):
+        engine_config(demo_base, {"method": "eagle", "model": str(heads)})
+
+
 def test_specs_that_are_not_ours_pass_through_untouched(demo_base):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     assert resolve(spec, str(demo_base)) == (spec, None)

@@ -17,6 +17,7 @@ ROWS = [  # (label, eval JSON relative to the heads directory): the demo heads
     ("Clover without regressive connection", "ablations/no-regressive.json"),
     ("**Clover (full)**", "clover/eval-heldout.json"),
     ("CLP heads", "clp/eval-heldout.json"),
+    ("EAGLE-1 draft (one decoder layer; vLLM's own proposer)", "eagle/eval-heldout.json"),
 ]
 
 SMOLLM2_ROWS = [  # the SmolLM2 heads (8k draft vocabulary) and the choices measured on that model
@@ -27,6 +28,7 @@ SMOLLM2_ROWS = [  # the SmolLM2 heads (8k draft vocabulary) and the choices meas
     ("Clover, 1 epoch, identity, MLP as regressive block", "ablations/clover-identity-mlp.json"),
     ("**Clover (shipped)**", "clover/eval.json"),
     ("CLP heads", "clp/eval.json"),
+    ("EAGLE-1 draft (one decoder layer, full vocabulary; vLLM's own proposer)", "eagle/eval.json"),
 ]
 
 
