@@ -84,6 +84,10 @@ def markdown(report: dict, results_file: Path, brief: bool = False) -> str:
     parts += step_table(results, report["settings"]["batch_sizes"])
     if brief:
         return "\n\n".join(parts)
+    parts += ["**Accepted drafts per position**, % of the requests' drafting steps (a draft at position j "
+              "counts only when 1..j-1 were accepted; under the goodput policy later positions are also drafted "
+              "less often):",
+              grid(results, position_cell, spec)]
     if any("by_category" in r.get("1", {}) for r in results.values()):
         parts += category_tables(results)
     heads = bundled_heads(report)
@@ -107,6 +111,11 @@ def drafting_tables(results: dict) -> list[str]:
             grid(results, lambda r, b: f"{r['drafting']['draft_tokens_per_request_step']:.2f} "
                                        f"({100 * r['drafting']['steps_without_drafts_fraction']:.0f}%)"
                  if "drafting" in r else "–", ours)]
+
+
+def position_cell(r: dict, batch: int) -> str:
+    rates = r.get("acceptance_rate_per_position")
+    return " / ".join(f"{100 * a:.0f}" for a in rates) if rates else "–"
 
 
 def speed_caption(results: dict) -> str:

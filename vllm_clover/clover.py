@@ -39,6 +39,7 @@ from vllm_clover.layers import (
     TorchRMSNorm,
     causal_attention,
     check_num_heads,
+    decoder_layer_shape,
     numel,
     rms_normalize,
 )
@@ -143,11 +144,7 @@ class CloverHeads(StateDictCheckpoint, DraftVocabulary, nn.Module):
         """The augmenting block takes the base's decoder-layer shape and starts as its last layer."""
         c = base.config
         heads = cls(CloverConfig(
-            num_heads=num_heads, hidden_size=c.hidden_size, vocab_size=c.vocab_size,
-            intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
-            num_key_value_heads=c.num_key_value_heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-            rms_norm_eps=c.rms_norm_eps, rope_theta=rope_theta(c),
+            num_heads=num_heads, hidden_size=c.hidden_size, vocab_size=c.vocab_size, **decoder_layer_shape(c),
             draft_vocab_size=None if draft_vocab is None else len(draft_vocab), **hyper))
         heads.init_from_base(base.last_layer_state(), base.final_norm_weight())
         if draft_vocab is not None:
@@ -272,12 +269,6 @@ class CloverHeads(StateDictCheckpoint, DraftVocabulary, nn.Module):
         if policy is not None:
             budgets = policy.lengths(confidence.float().cpu().numpy(), budgets)
         return [row[:n] for row, n in zip(drafts.tolist(), budgets)]
-
-
-def rope_theta(config) -> float:
-    """The base's RoPE base frequency (transformers moved it into `rope_parameters`)."""
-    params = getattr(config, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
 def token_embeddings(lm_head_weight: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vllm_clover.clover import rope_theta
-from vllm_clover.layers import StateDictCheckpoint, TorchLlamaDecoderLayer, causal_attention, check_num_heads, numel
+from vllm_clover.layers import (
+    StateDictCheckpoint,
+    TorchLlamaDecoderLayer,
+    causal_attention,
+    check_num_heads,
+    decoder_layer_shape,
+    numel,
+)
 
 REGRESSION_WEIGHT = 10.0  # the authors' 1.0 : 0.1 for regression : cross-entropy
 
@@ -77,11 +83,7 @@ class EagleDraft(StateDictCheckpoint, nn.Module):
         """A fresh layer of the base's shape (the authors start from random weights)."""
         c = base.config
         return cls(EagleConfig(
-            num_heads=num_heads, hidden_size=c.hidden_size, vocab_size=c.vocab_size,
-            intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
-            num_key_value_heads=c.num_key_value_heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-            rms_norm_eps=c.rms_norm_eps, rope_theta=rope_theta(c),
+            num_heads=num_heads, hidden_size=c.hidden_size, vocab_size=c.vocab_size, **decoder_layer_shape(c),
             max_position_embeddings=c.max_position_embeddings, **hyper))
 
     @classmethod

@@ -217,6 +217,21 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return out.transpose(-3, -2)
 
 
+def rope_theta(config) -> float:
+    """The base's RoPE base frequency (transformers moved it into `rope_parameters`)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def decoder_layer_shape(config) -> dict:
+    """A Hugging Face Llama config's decoder-layer shape, under the names our heads' configs
+    and TorchLlamaDecoderLayer use (Clover's augmenting block, EAGLE's layer)."""
+    return dict(intermediate_size=config.intermediate_size, num_attention_heads=config.num_attention_heads,
+                num_key_value_heads=config.num_key_value_heads,
+                head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+                rms_norm_eps=config.rms_norm_eps, rope_theta=rope_theta(config))
+
+
 class TorchLlamaDecoderLayer(nn.Module):
     """One Llama decoder layer in plain PyTorch, with Hugging Face's parameter names, so a base
     model's layer state dict loads into it unchanged (vLLM serves it as its own
