@@ -27,8 +27,9 @@ spec-bench)
     $PY -m benchmarks.report "$OUT/results.json" --readme README.md --section smollm2-results
     ;;
 peer)
-    $PY -m benchmarks.run "${COMMON[@]}" --methods vanilla,clover,clover-fixed,eagle --batch-sizes 1,4 \
-        --num-prompts 18,24 --rounds 2 --prompts ../shared/data/spec_bench_questions.jsonl --out "$OUT/peer.json"
+    $PY -m benchmarks.run "${COMMON[@]}" --kv-cache-mb 1536 --methods vanilla,clover,clover-fixed,eagle \
+        --batch-sizes 1,4 --num-prompts 18,24 --rounds 2 --prompts ../shared/data/spec_bench_questions.jsonl \
+        --out "$OUT/peer.json"
     $PY -m benchmarks.plot "$OUT/peer.json"
     $PY -m benchmarks.report "$OUT/peer.json" --readme README.md --section smollm2-peer
     ;;
