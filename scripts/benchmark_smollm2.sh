@@ -2,9 +2,8 @@
 # The SmolLM2-135M-Instruct benchmarks of the README (run with nothing else on the machine):
 #   validation: served acceptance on prompts like the training data, to set against the heads'
 #               teacher-forced evals (eval.json's greedy_acceptance);
-#   spec-bench: Spec-Bench's six tasks round robin, batch 1 / 4 / 16 / 64, every method side by side;
-#   peer:       Clover (goodput policy and fixed K) against the EAGLE-1 draft trained on the same data,
-#               served by vLLM's own EAGLE, K = 4, batch 1 and 4, interleaved rounds.
+#   spec-bench: Spec-Bench's six tasks round robin, batch 1 / 4 / 16 / 64, every method side by side.
+# (Clover against the EAGLE-1 peer: scripts/benchmark_peer.sh.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -25,12 +24,5 @@ spec-bench)
         --num-prompts 18,24,48,128 --prompts ../shared/data/spec_bench_questions.jsonl --out "$OUT/results.json"
     $PY -m benchmarks.plot "$OUT/results.json" --out "$OUT"
     $PY -m benchmarks.report "$OUT/results.json" --readme README.md --section smollm2-results
-    ;;
-peer)
-    $PY -m benchmarks.run "${COMMON[@]}" --kv-cache-mb 1536 --methods vanilla,clover,clover-fixed,eagle \
-        --batch-sizes 1,4 --num-prompts 18,24 --rounds 2 --prompts ../shared/data/spec_bench_questions.jsonl \
-        --out "$OUT/peer.json"
-    $PY -m benchmarks.plot "$OUT/peer.json"
-    $PY -m benchmarks.report "$OUT/peer.json" --readme README.md --section smollm2-peer
     ;;
 esac

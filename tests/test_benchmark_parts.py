@@ -109,6 +109,7 @@ def test_step_breakdown_splits_the_draft_step():
     (SMOLLM2_RESULTS, "smollm2-results", [1, 4, 16, 64]),
     (POLICY_RESULTS / "demo.json", "policy-demo", [1, 4, 16, 64]),
     (POLICY_RESULTS / "smollm2.json", "policy-smollm2", [1, 4, 16, 64]),
+    (RESULTS.parent / "peer.json", "demo-peer", [1, 4]),
     (SMOLLM2_RESULTS.parent / "peer.json", "smollm2-peer", [1, 4]),
 ])
 def test_report_and_plots_from_the_committed_results(results_file, section, batches, tmp_path):
