@@ -225,6 +225,7 @@ def estimate(requests: int, tables: list[CostsByBatch]) -> Callable | None:
     if not ranked:
         return None
     predict, largest = ranked[0][0].scaled(ranked[0][1], requests)
+    # "Further": beyond the 1% by which the same per-request reach, read through two medians, can differ.
     wider = [(shape, reach) for shape, reach in (table.scaled(b, requests) for table, b in ranked[1:])
              if reach > 1.01 * largest]
     if not wider:
