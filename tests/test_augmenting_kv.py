@@ -7,6 +7,8 @@ history, computed from scratch with transformers. The engine prefills in 64-toke
 is preempted (its KV freed and recomputed), and serves repeated prompts from the prefix
 cache, so all three paths must write and read the block's KV exactly where the base's is;
 and steps whose heads draft nothing (the goodput policy's choice under load) still write it.
+The longest request runs into max_model_len while the others go on: vLLM would skip the
+draft step of the whole batch there, and the block would miss that step's KV.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from vllm_clover.checkpoint import build_heads_module, load_heads
 from vllm_clover_training.base import load_base
 from vllm_clover_training.stdlib_corpus import heldout_prompts
 
-ENGINE = dict(disable_log_stats=False, enable_prefix_caching=True, max_num_seqs=16,
+K, MAX_MODEL_LEN = 4, 640  # the longest prompt (547 tokens) reaches it; the rest stay below
+ENGINE = dict(disable_log_stats=False, enable_prefix_caching=True, max_num_seqs=16, max_model_len=MAX_MODEL_LEN,
               max_num_batched_tokens=64, kv_cache_memory_bytes=12 << 20)  # 16 blocks: preempts
 PARAMS = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
 
@@ -41,7 +44,8 @@ def start_recording(worker):
     def recording_draft_batch(sampled, *args, **kwargs):
         batch, rows = draft_batch(sampled, *args, **kwargs)
         req_ids = [runner.input_batch.req_ids[row] for row in rows]
-        records.append({"req_ids": req_ids, "positions": batch.positions[batch.last_index].tolist()})
+        records.append({"req_ids": req_ids, "positions": batch.positions[batch.last_index].tolist(),
+                        "budgets": batch.budgets})
         return batch, rows
 
     def skipping_draft_depth(budgets, policy=None):
@@ -60,7 +64,7 @@ def start_recording(worker):
 def recorded(demo_base):
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with functions
-        spec = {**speculative("clover"), "draft_policy": "fixed"}  # drafts every step not skipped above
+        spec = {**speculative("clover", K), "draft_policy": "fixed"}  # drafts every step not skipped above
         llm = make_llm(demo_base, speculative_config=spec, **ENGINE)
         llm.collective_rpc(start_recording)
         prompts = sorted(heldout_prompts(40), key=len)[-12:]  # the longest: many chunks
@@ -78,6 +82,15 @@ def test_the_engine_chunked_preempted_and_hit_the_cache(recorded):
     _, _, stats = recorded
     assert stats["preemptions"] > 0
     assert stats["prefix_cache_hits"] > 0
+
+
+def test_steps_near_max_model_len_still_draft_for_the_others(recorded):
+    records, sequences, _ = recorded
+    assert max(len(tokens) for tokens in sequences.values()) == MAX_MODEL_LEN  # one ran into the limit
+    # Steps vLLM would skip for the whole batch (a request within K tokens of the limit).
+    near_the_end = [r for r in records if len(r["req_ids"]) > 1 and max(r["positions"]) + 1 + K > MAX_MODEL_LEN]
+    assert any("h0" in r for r in near_the_end)
+    assert all(p + 1 + n <= MAX_MODEL_LEN - 1 for r in records for p, n in zip(r["positions"], r["budgets"]))
 
 
 def test_augmented_states_equal_a_from_scratch_reference(recorded, demo_base):

@@ -9,13 +9,14 @@ from __future__ import annotations
 import torch
 
 from vllm_clover.clp import ClpHeads
-from vllm_clover.draft_batch import draft_batch
+from vllm_clover.draft_batch import draft_batch, room_for_drafts
 from vllm_clover.layers import DenseLmHead
 
 H = 8
 
 
-def step(query_lens: list[int], sampled: list[list[int]], num_draft_tokens: list[int] | None, budget: int = 4):
+def step(query_lens: list[int], sampled: list[list[int]], num_draft_tokens: list[int] | None, budget: int = 4,
+         max_model_len: int = 1024):
     """draft_batch over a step whose requests scheduled `query_lens` tokens each; hidden state
     row i holds the value i, so an index can be read back from the states it selects."""
     query_start_loc = [0]
@@ -24,7 +25,7 @@ def step(query_lens: list[int], sampled: list[list[int]], num_draft_tokens: list
     total = query_start_loc[-1]
     hidden = torch.arange(total, dtype=torch.float32)[:, None].expand(total, H)
     positions = torch.arange(100, 100 + total)
-    return draft_batch(sampled, query_start_loc, num_draft_tokens, hidden, positions, budget)
+    return draft_batch(sampled, query_start_loc, num_draft_tokens, hidden, positions, budget, max_model_len)
 
 
 def test_decodes_without_drafts_continue_from_their_only_token():
@@ -68,6 +69,16 @@ def test_mixed_step_with_draft_lengths_that_differ_and_a_discarded_request():
     assert batch.next_token.tolist() == [71, 80, 90]
     assert batch.hidden_states[batch.last_index, 0].tolist() == [1.0, 5.0, 6.0]
     assert batch.budgets == [3, 3, 3]
+
+
+def test_near_max_model_len_budgets_shrink_to_what_the_scheduler_can_place():
+    # Positions 100..103, one decode each. With max_model_len 106 the request at position p
+    # may still schedule its next token at p + 1 and drafts up to position 104 (105 is left
+    # for the token that step samples): 3, 2, 1, 0 drafts.
+    batch, rows = step([1, 1, 1, 1], [[1], [2], [3], [4]], None, budget=4, max_model_len=106)
+    assert rows == [0, 1, 2, 3]
+    assert batch.budgets == [3, 2, 1, 0]
+    assert room_for_drafts(104, 106) == 0 and room_for_drafts(100, 1024) > 4
 
 
 def test_a_step_where_nobody_sampled_has_no_rows():

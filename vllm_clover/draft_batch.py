@@ -28,7 +28,8 @@ class DraftBatch:
 
 
 def draft_batch(sampled_token_ids: list[list[int]], query_start_loc: list[int], num_draft_tokens: list[int] | None,
-                hidden_states: torch.Tensor, positions: torch.Tensor, budget: int) -> tuple[DraftBatch, list[int]]:
+                hidden_states: torch.Tensor, positions: torch.Tensor, budget: int,
+                max_model_len: int) -> tuple[DraftBatch, list[int]]:
     """(the DraftBatch, the batch row of each of its requests).
 
     Request r's scheduled tokens occupy rows query_start_loc[r] .. query_start_loc[r+1]-1
@@ -40,6 +41,10 @@ def draft_batch(sampled_token_ids: list[list[int]], query_start_loc: list[int], 
 
     which is where its drafts continue from. A request that sampled nothing (a prefill
     chunk that is not its last, or a request vLLM discarded) gets no drafts.
+
+    Near max_model_len a request's budget shrinks to what vLLM's scheduler can still place
+    (`room_for_drafts`), so every request keeps drafting and the draft model keeps writing
+    its KV for every step, up to the last position.
     """
     num_drafts = num_draft_tokens if num_draft_tokens is not None else [0] * len(sampled_token_ids)
     rows, last_index, next_token = [], [], []
@@ -50,11 +55,21 @@ def draft_batch(sampled_token_ids: list[list[int]], query_start_loc: list[int], 
         last_index.append(query_start_loc[row + 1] - 1 - num_drafts[row] + len(sampled) - 1)
         next_token.append(sampled[-1])
     device = hidden_states.device
+    last_index = torch.tensor(last_index, dtype=torch.long, device=device)
+    last_positions = positions[last_index].tolist()
     batch = DraftBatch(
         hidden_states=hidden_states,
         positions=positions,
-        last_index=torch.tensor(last_index, dtype=torch.long, device=device),
+        last_index=last_index,
         next_token=torch.tensor(next_token, dtype=torch.long, device=device),
-        budgets=[budget] * len(rows),
+        budgets=[min(budget, room_for_drafts(p, max_model_len)) for p in last_positions],
     )
     return batch, rows
+
+
+def room_for_drafts(last_position: int, max_model_len: int) -> int:
+    """Drafts vLLM 0.32's scheduler can still schedule after the token at `last_position`:
+    the next step runs the sampled token and its drafts from position last_position + 1 and
+    must leave one position for the token it samples (Scheduler.schedule caps new tokens at
+    max_model_len - computed - 1), so 1 + drafts <= max_model_len - (last_position + 1) - 1."""
+    return max(max_model_len - last_position - 3, 0)

@@ -1,6 +1,6 @@
 """Every change vllm-clover makes to vLLM internals, in one table.
 
-vLLM 0.32 has no proposer registry, so the plugin wraps seven private methods, and it
+vLLM 0.32 has no proposer registry, so the plugin wraps eight private methods, and it
 works around two vLLM bugs. Each change is a no-op for anything that is not ours:
 other methods, models and checkpoints run exactly as without the plugin. All were
 written against vLLM 0.32 (`version.SUPPORTED_VLLM`, checked before any is applied), and
@@ -19,6 +19,12 @@ last by the runner hook, in a CPU worker that drafts with one of our models.
       state and its own KV cache; CLP returns a length per request. Route our draft models
       to proposer.propose; everything else goes to vLLM's code. The hook also owns the
       trust flag (below) and the CPU fix (last entry), so both touch only our engines.
+  draft_near_max_model_len  GPUModelRunner._input_fits_in_drafter
+      vLLM skips the draft step of the whole batch when any request is within K tokens of
+      max_model_len, since its drafters write KV at draft positions. Ours write KV only for
+      the step's tokens (Clover's augmenting block), which must happen every step or later
+      drafts read stale entries; so for our models the step always runs, and proposer.py
+      cuts that request's drafts to the room it has left.
   warm_up_draft_model       GPUModelRunner.profile_run  (CPUModelRunner's compile warm-up runs it)
       vLLM 0.32's runner never calls MedusaProposer.dummy_run, so a medusa-carried draft
       model first runs on the first request. After the runner's own profile run, make that
@@ -175,6 +181,17 @@ def _prepare_runner(runner, model) -> None:
             patch.apply()
 
 
+def _draft_near_max_model_len(original):
+    def _input_fits_in_drafter(self, common_attn_metadata):
+        from vllm_clover.vllm_models import HeadsDraftModel
+
+        if isinstance(getattr(getattr(self, "drafter", None), "model", None), HeadsDraftModel):
+            return common_attn_metadata is not None
+        return original(self, common_attn_metadata)
+
+    return _input_fits_in_drafter
+
+
 def _warm_up_draft_model(original):
     def profile_run(self, randomize_inputs=False):
         from vllm_clover.vllm_models import HeadsDraftModel
@@ -267,6 +284,8 @@ PATCHES = (
           ("self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
            "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata", "common_attn_metadata",
            "slot_mappings"), _draft_with_clover_heads),
+    Patch("draft_near_max_model_len", "vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter",
+          ("self", "common_attn_metadata"), _draft_near_max_model_len),
     Patch("warm_up_draft_model", "vllm.v1.worker.gpu_model_runner:GPUModelRunner.profile_run",
           ("self", "randomize_inputs"), _warm_up_draft_model),
     Patch("drafts_with_sampled_tokens", "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens",
@@ -292,7 +311,7 @@ RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 RUNNER_READS = (
     (RUNNER, "_get_positions"), (RUNNER, "attn_groups"), (RUNNER, "rejection_sampler"), (RUNNER, "drafter"),
     (RUNNER, "get_model"), (RUNNER, "vllm_config"), (RUNNER, "_draft_probs"), (RUNNER, "_draft_prob_req_ids"),
-    (RUNNER, "max_num_tokens"), (RUNNER, "input_batch"), (RUNNER, "take_draft_token_ids"),
+    (RUNNER, "max_num_tokens"), (RUNNER, "max_model_len"), (RUNNER, "input_batch"), (RUNNER, "take_draft_token_ids"),
     ("vllm.v1.worker.gpu_input_batch:InputBatch", "req_ids"), ("vllm.v1.engine.core:EngineCore", "scheduler"),
     ("vllm.v1.core.sched.scheduler:Scheduler", "update_draft_token_ids"),
     ("vllm.v1.spec_decode.medusa:MedusaProposer", "dummy_run"),

@@ -11,10 +11,12 @@ empty lists mean "no drafts" (requests still in prefill, or CLP predicting none)
 Every runner member read here is listed in patches.RUNNER_MEMBERS and checked when the
 patches are applied.
 
-Known gap: vLLM skips the whole draft step when some request in the batch is within K
-tokens of max_model_len (`GPUModelRunner._input_fits_in_drafter`). Clover's augmenting
-block then does not write its KV for that step's tokens, so later drafts of the other
-requests read stale entries there: fewer accepted drafts, never different output.
+vLLM skips the whole draft step when some request in the batch is within K tokens of
+max_model_len (`GPUModelRunner._input_fits_in_drafter`), because its own drafters write KV
+at the draft positions. Ours write KV only for the step's scheduled tokens, which the
+scheduler keeps inside max_model_len, so for our models the step always runs (patch
+`draft_near_max_model_len`) and that request's drafts are cut to the room it has left
+(draft_batch.room_for_drafts): Clover's augmenting block never misses a step's KV.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def propose(runner: GPUModelRunner, model: HeadsDraftModel, scheduler_output: Sc
         hidden_states=hidden_states[:num_tokens],
         positions=runner._get_positions(num_tokens),
         budget=scheduler_output.num_spec_tokens_to_schedule,
+        max_model_len=runner.max_model_len,
     )
     with draft_attention(runner, model.kv_layer_names, common_attn_metadata, slot_mappings):
         drafts = model.propose(batch)
