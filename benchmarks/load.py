@@ -162,13 +162,14 @@ def summarise(records: list[Completion], counters: list[dict], rates: list[float
             "first_errors": [r.error for r in records if r.error][:3]}
 
 
-def serve_command(method: str, args) -> list[str]:
-    command = [sys.executable, "-m", "vllm_clover.vllm_cli", "serve", str(args.base_model), "--port", str(args.port),
-               "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--seed", "0",
-               "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory-bytes", str(args.kv_cache_mb << 20)]
+def vllm_serve_command(args, port: int, spec: dict | None, extra: list[str] = ()) -> list[str]:
+    """`vllm serve` (through vllm_clover.vllm_cli) on loopback with the engine arguments."""
+    command = [sys.executable, "-m", "vllm_clover.vllm_cli", "serve", str(args.base_model), "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--seed", "0",
+               "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory-bytes", str(args.kv_cache_mb << 20),
+               *extra]
     if args.enforce_eager:
         command.append("--enforce-eager")
-    spec = speculative_config(method, args.heads_dir, args.k)
     if spec is not None:
         command += ["--speculative-config", json.dumps(spec)]
     return command
@@ -201,8 +202,9 @@ class MethodRun:
 def run_method(method: str, args, prompts: list, arrivals) -> MethodRun:
     url = f"http://127.0.0.1:{args.port}"
     log = args.out.with_suffix(f".{method}.log")
+    command = vllm_serve_command(args, args.port, speculative_config(method, args.heads_dir, args.k))
     with open(log, "w") as log_file:
-        server = subprocess.Popen(serve_command(method, args), stdout=log_file, stderr=subprocess.STDOUT,
+        server = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
             wait_until_healthy(url, server, log)

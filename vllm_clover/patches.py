@@ -1,7 +1,7 @@
 """Every change vllm-clover makes to vLLM internals, in one table.
 
 vLLM 0.32 has no proposer registry, so the plugin wraps eight private methods, and it
-works around two vLLM bugs. Each change is a no-op for anything that is not ours:
+works around three vLLM bugs. Each change is a no-op for anything that is not ours:
 other methods, models and checkpoints run exactly as without the plugin. All were
 written against vLLM 0.32 (`version.SUPPORTED_VLLM`, checked before any is applied), and
 each checks at apply time that the wrapped function still has the parameters it was
@@ -51,6 +51,15 @@ last by the runner hook, in a CPU worker that drafts with one of our models.
       as loaded, so every such checkpoint fails ("weights were not initialized from
       checkpoint: {'token_map'}"). Report it. Checkpoints without a token map are untouched;
       this is what lets the Medusa baseline use the same draft vocabulary as our heads.
+  cpu_seeded_prefill_chunks  GPUModelRunner.sample_tokens  (our runners, CPU generators only)
+      A request whose prompt is prefilled in several chunks samples a token after every
+      chunk and discards all but the last; for a seeded request vLLM 0.32 then rewinds its
+      generator with `set_offset`, which a CPU generator does not have ("CPU Generator does
+      not use offset"): the engine dies. Speculative steps leave prompts less of the token
+      budget, so more of them are chunked (the soak met it in its first minute; plain
+      decoding dies the same way, README "Reliability"). Sample those discarded tokens
+      without the request's generator, so it is neither advanced (the seed's stream stays
+      what it would be unchunked, as vLLM's rewind intends) nor rewound.
   cpu_expand_float_params   rejection_sampler.expand_batch_to_tokens  (CPU workers of our engines)
       vLLM 0.32's C++ fallback for the Triton `expand_kernel` casts its output to int64 and
       writes into that copy, so per-token temperatures (and top-p) used to verify drafts
@@ -74,6 +83,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from vllm_clover.errors import VllmInternalsChanged
@@ -277,6 +287,23 @@ def _cpu_expand_float_params(original):
     return expand_batch_to_tokens
 
 
+def _cpu_seeded_prefill_chunks(original):
+    def sample_tokens(self, grammar_output):
+        from vllm_clover.vllm_models import HeadsDraftModel
+
+        generators = self.input_batch.generators
+        if not generators or not isinstance(getattr(getattr(self, "drafter", None), "model", None), HeadsDraftModel):
+            return original(self, grammar_output)
+        discarded = np.flatnonzero(self.discard_request_mask.np[: self.input_batch.num_reqs]).tolist()
+        held = {i: generators.pop(i) for i in discarded if i in generators and generators[i].device.type == "cpu"}
+        try:
+            return original(self, grammar_output)
+        finally:
+            generators.update(held)
+
+    return sample_tokens
+
+
 PATCHES = (
     Patch("speculative_method_names", "vllm.engine.arg_utils:EngineArgs.create_speculative_config",
           ("self", "target_model_config", "target_parallel_config"), _speculative_method_names),
@@ -297,6 +324,8 @@ PATCHES = (
           ("self", "metadata", "draft_probs", "logits", "sampling_metadata"), _trust_clp_drafts),
     Patch("medusa_token_map", "vllm.model_executor.models.medusa:Medusa.load_weights",
           ("self", "weights"), _medusa_token_map),
+    Patch("cpu_seeded_prefill_chunks", "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens",
+          ("self", "grammar_output"), _cpu_seeded_prefill_chunks),
 )
 CPU_WORKER_PATCHES = (
     Patch("cpu_expand_float_params", "vllm.v1.sample.rejection_sampler:expand_batch_to_tokens",
@@ -312,7 +341,9 @@ RUNNER_READS = (
     (RUNNER, "_get_positions"), (RUNNER, "attn_groups"), (RUNNER, "rejection_sampler"), (RUNNER, "drafter"),
     (RUNNER, "get_model"), (RUNNER, "vllm_config"), (RUNNER, "_draft_probs"), (RUNNER, "_draft_prob_req_ids"),
     (RUNNER, "max_num_tokens"), (RUNNER, "max_model_len"), (RUNNER, "input_batch"), (RUNNER, "take_draft_token_ids"),
-    ("vllm.v1.worker.gpu_input_batch:InputBatch", "req_ids"), ("vllm.v1.engine.core:EngineCore", "scheduler"),
+    (RUNNER, "discard_request_mask"), ("vllm.v1.worker.gpu_input_batch:InputBatch", "req_ids"),
+    ("vllm.v1.worker.gpu_input_batch:InputBatch", "generators"),
+    ("vllm.v1.worker.gpu_input_batch:InputBatch", "num_reqs"), ("vllm.v1.engine.core:EngineCore", "scheduler"),
     ("vllm.v1.core.sched.scheduler:Scheduler", "update_draft_token_ids"),
     ("vllm.v1.spec_decode.medusa:MedusaProposer", "dummy_run"),
     ("vllm.v1.worker.utils:AttentionGroup", "layer_names"), ("vllm.v1.worker.utils:AttentionGroup", "build_metadata"),
