@@ -215,15 +215,19 @@ class Server:
         found: Counter = Counter()
         for process in [root, *root.children(recursive=True)]:
             try:
-                title = process.cmdline()[0] if process.cmdline() else process.name()
-                name = "api_server" if process.pid == root.pid else title.split()[0]
+                title = (process.cmdline() or [""])[0]
+                name = ("api_server" if process.pid == root.pid else
+                        title.split()[0] if title.startswith("VLLM::") else "helpers")
                 found[name] += process.memory_info().rss / 2**20
             except psutil.NoSuchProcess:
                 continue
         return {name: round(mb, 1) for name, mb in found.items()}
 
     def stop(self) -> dict:
-        """SIGTERM, then how long it took to exit and with what code."""
+        """SIGTERM, then how long it took to exit and with what code (or the code it had
+        already exited with: a server whose engine died may stop by itself)."""
+        if self.process.poll() is not None:
+            return {"returncode": self.process.returncode, "seconds": None, "clean": False, "exited_before": True}
         start = time.monotonic()
         self.process.terminate()
         try:
@@ -235,15 +239,25 @@ class Server:
         return {"returncode": code, "seconds": round(time.monotonic() - start, 1), "clean": code == 0}
 
 
+# "(APIServer pid=9227) ERROR 12-01 21:43:07 [serving.py:500] message": vLLM logs a
+# traceback as ERROR lines with the same process, time and source.
+ERROR_LINE = re.compile(r"^(\(\w+ pid=\d+\) )?ERROR (\d\d-\d\d [\d:]+) \[([^\]]+)\] ?(.*)$")
+
+
 def log_errors(log: Path) -> dict:
-    """ERROR records in a server log (a record: the ERROR line and the traceback lines under
-    it), those a refused request explains counted by reason, the others listed."""
+    """ERROR records in a server log (one record: consecutive ERROR lines from the same
+    process, second and source line), those a refused request explains counted by reason,
+    the others listed."""
     records: list[str] = []
+    previous = None
     for line in log.read_text(errors="replace").splitlines():
-        if re.search(r"\bERROR\b \d\d-\d\d ", line):
+        match = ERROR_LINE.match(line)
+        key = match.groups()[:3] if match else None
+        if key is not None and key == previous:
+            records[-1] += "\n" + match.group(4)
+        elif key is not None:
             records.append(line)
-        elif records and not re.search(r"\b(INFO|WARNING|DEBUG)\b \d\d-\d\d ", line) and not line.startswith("("):
-            records[-1] += "\n" + line
+        previous = key
     explained: Counter = Counter()
     unexplained = []
     for record in records:

@@ -1,13 +1,13 @@
 """Every change vllm-clover makes to vLLM internals, in one table.
 
 vLLM 0.32 has no proposer registry, so the plugin wraps eight private methods, and it
-works around three vLLM bugs. Each change is a no-op for anything that is not ours:
+works around four vLLM bugs. Each change is a no-op for anything that is not ours:
 other methods, models and checkpoints run exactly as without the plugin. All were
 written against vLLM 0.32 (`version.SUPPORTED_VLLM`, checked before any is applied), and
 each checks at apply time that the wrapped function still has the parameters it was
 written for, so a vLLM change fails at start-up with the patch's name rather than
-mid-generation. All but the last are applied by `register()` in every vLLM process; the
-last by the runner hook, in a CPU worker that drafts with one of our models.
+mid-generation. All but the last two are applied by `register()` in every vLLM process;
+the last two in a CPU worker that drafts with one of our models, before its first sample.
 
   speculative_method_names  EngineArgs.create_speculative_config
       vLLM's SpeculativeConfig.method is a closed Literal. Rewrite "clover" / "clp" /
@@ -66,6 +66,12 @@ last by the runner hook, in a CPU worker that drafts with one of our models.
       stay uninitialised memory: at temperature > 0 every spec-decode method on the CPU
       build samples from a wrong distribution (tests/test_lossless.py shows it for
       vLLM's own Medusa). Replace it with the same expansion in plain torch.
+  cpu_top_k_without_drafts  topk_topp_sampler.apply_top_k_only  (CPU workers of our engines)
+      vLLM 0.32 verifies every step of a speculative engine, also steps in which no request
+      has drafts (the goodput policy's choice under load, the first step after a prompt):
+      the rejection sampler then filters zero draft positions, and on CPU, when some
+      request samples with top_k and none with top_p, `k.max()` of an empty tensor kills
+      the engine (the soak met it). Filter nothing when there is nothing to filter.
 
 Besides the wrapped functions, the runner hook reads runner members that are not vLLM's
 public API (`RUNNER_READS`, e.g. `GPUModelRunner._get_positions`); `apply_all` checks
@@ -166,7 +172,6 @@ def _draft_with_clover_heads(original):
             return original(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                             sample_hidden_states, aux_hidden_states, spec_decode_metadata,
                             common_attn_metadata, slot_mappings)
-        _prepare_runner(self, model)
         self._draft_probs = None       # as the original does: our drafts are greedy (one-hot)
         self._draft_prob_req_ids = None
         return proposer.propose(self, model, scheduler_output, sampled_token_ids, hidden_states,
@@ -176,9 +181,9 @@ def _draft_with_clover_heads(original):
 
 
 def _prepare_runner(runner, model) -> None:
-    """Once per runner, before it verifies any of our drafts: flag trusted drafts for the
-    sampler patch, and fix the CPU build's rejection sampling. Both only ever touch runners
-    that draft with our models."""
+    """Once per runner, before it samples anything (patch drafts_with_sampled_tokens): flag
+    trusted drafts for the sampler patch, and fix the CPU build's sampling bugs. Both only
+    ever touch runners that draft with our models."""
     if getattr(runner, PREPARED_ATTR, False):
         return
     setattr(runner, PREPARED_ATTR, True)
@@ -217,8 +222,14 @@ def _drafts_with_sampled_tokens(original):
     def sample_tokens(self, grammar_output):
         from vllm.v1.outputs import ModelRunnerOutput
 
+        from vllm_clover.vllm_models import HeadsDraftModel
+
+        model = getattr(getattr(self, "drafter", None), "model", None)
+        if not isinstance(model, HeadsDraftModel):
+            return original(self, grammar_output)
+        _prepare_runner(self, model)
         output = original(self, grammar_output)
-        if getattr(self, PREPARED_ATTR, False) and type(output) is ModelRunnerOutput:
+        if type(output) is ModelRunnerOutput:
             drafts = self.take_draft_token_ids()
             if drafts is not None:
                 output = copy.copy(output)  # never tag an output vLLM shares (e.g. its empty one)
@@ -287,6 +298,13 @@ def _cpu_expand_float_params(original):
     return expand_batch_to_tokens
 
 
+def _cpu_top_k_without_drafts(original):
+    def apply_top_k_only(logits, k):
+        return logits if k.numel() == 0 else original(logits, k)
+
+    return apply_top_k_only
+
+
 def _cpu_seeded_prefill_chunks(original):
     def sample_tokens(self, grammar_output):
         from vllm_clover.vllm_models import HeadsDraftModel
@@ -330,6 +348,8 @@ PATCHES = (
 CPU_WORKER_PATCHES = (
     Patch("cpu_expand_float_params", "vllm.v1.sample.rejection_sampler:expand_batch_to_tokens",
           ("x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"), _cpu_expand_float_params),
+    Patch("cpu_top_k_without_drafts", "vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_only",
+          ("logits", "k"), _cpu_top_k_without_drafts),
 )
 
 
