@@ -241,16 +241,19 @@ class Server:
 
 # "(APIServer pid=9227) ERROR 12-01 21:43:07 [serving.py:500] message": vLLM logs a
 # traceback as ERROR lines with the same process, time and source.
+SHUTDOWN_LINE = "[shutdown] API server: shutdown triggered"
 ERROR_LINE = re.compile(r"^(\(\w+ pid=\d+\) )?ERROR (\d\d-\d\d [\d:]+) \[([^\]]+)\] ?(.*)$")
 
 
 def log_errors(log: Path) -> dict:
     """ERROR records in a server log (one record: consecutive ERROR lines from the same
-    process, second and source line), those a refused request explains counted by reason,
-    the others listed."""
+    process, second and source line), those a refused request or the SIGTERM at the end
+    explains counted by reason, the others listed."""
     records: list[str] = []
-    previous = None
+    previous, shutdown_from = None, None
     for line in log.read_text(errors="replace").splitlines():
+        if shutdown_from is None and SHUTDOWN_LINE in line:
+            shutdown_from = len(records)
         match = ERROR_LINE.match(line)
         key = match.groups()[:3] if match else None
         if key is not None and key == previous:
@@ -260,8 +263,10 @@ def log_errors(log: Path) -> dict:
         previous = key
     explained: Counter = Counter()
     unexplained = []
-    for record in records:
+    for i, record in enumerate(records):
         reason = next((why for why, text in EXPLAINED_ERRORS.items() if text in record), None)
+        if shutdown_from is not None and i >= shutdown_from:
+            reason = "during the SIGTERM shutdown"  # vLLM stops the engine under the API server's output loop
         if reason:
             explained[reason] += 1
         else:

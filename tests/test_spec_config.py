@@ -19,7 +19,6 @@ from conftest import DEMO_HEADS, ENGINE_DEFAULTS, speculative
 from vllm_clover.errors import CheckpointError, SpecConfigError, VllmCloverError, VllmInternalsChanged
 from vllm_clover.patches import (
     DRAFTS_ATTR,
-    MARKER,
     PATCHES,
     PREPARED_ATTR,
     RUNNER_READS,
@@ -155,6 +154,15 @@ def test_missing_tensor(demo_base, heads_copy):
         LLM(model=str(demo_base), speculative_config={"method": "clp", "model": str(heads)}, **ENGINE_DEFAULTS)
 
 
+def test_truncated_weights_are_one_error_naming_the_file(demo_base, heads_copy):
+    heads = heads_copy("clover")
+    weights = heads / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"clover/model.safetensors is not a readable safetensors file") as error:
+        engine_config(demo_base, {"method": "clover", "model": str(heads)})
+    assert "\n" not in str(error.value)
+
+
 def test_forcing_model_runner_v2_is_refused(demo_base, monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     with pytest.raises(SpecConfigError, match="unset it"):
@@ -164,9 +172,10 @@ def test_forcing_model_runner_v2_is_refused(demo_base, monkeypatch):
 def test_every_patch_is_applied_once_and_named():
     for patch in PATCHES:
         method = patch.original()
-        assert getattr(method, MARKER) == patch.name
+        assert patch.is_applied()
         patch.apply()  # idempotent: applying again does not wrap twice
         assert patch.original() is method
+    assert len({patch.name for patch in PATCHES}) == len(PATCHES)
 
 
 class _Changed:
@@ -219,8 +228,11 @@ def test_drafts_reach_the_scheduler_with_the_sampled_tokens():
     from there and post_step skips its round trip to the worker. Other runners' outputs, and
     steps whose output carried no drafts, keep vLLM's own path."""
     import pickle
+    from types import SimpleNamespace
 
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+
+    from vllm_clover.vllm_models import HeadsDraftModel
 
     wrapped = {p.name: p.wrap for p in PATCHES}
     drafts = DraftTokenIds(["a", "b"], [[5, 6], []])
@@ -231,7 +243,8 @@ def test_drafts_reach_the_scheduler_with_the_sampled_tokens():
             return drafts
 
     ours = Runner()
-    setattr(ours, PREPARED_ATTR, True)
+    ours.drafter = SimpleNamespace(model=HeadsDraftModel.__new__(HeadsDraftModel))  # a runner drafting with ours
+    setattr(ours, PREPARED_ATTR, True)  # _prepare_runner ran at its first step
     sample_tokens = wrapped["drafts_with_sampled_tokens"](lambda runner, grammar_output: shared)
     assert sample_tokens(Runner(), None) is shared  # not one of our runners
     output = pickle.loads(pickle.dumps(sample_tokens(ours, None)))  # as the worker's queue sends it

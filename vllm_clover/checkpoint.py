@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from vllm_clover.atomic import atomic_dir
 from vllm_clover.errors import CheckpointError
@@ -34,6 +35,17 @@ def _base_config(base_dir: Path) -> dict:
         raise CheckpointError(f"base model config not found: {path}") from None
 
 
+@contextmanager
+def readable_safetensors(path: Path):
+    """safe_open(path), with one error naming the file when it is not a whole safetensors
+    file (truncated, corrupt) rather than the library's, which names neither."""
+    try:
+        with safe_open(path, "pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+
+
 def _weight_files(base_dir: Path) -> dict[str, Path]:
     """tensor name -> safetensors file holding it (single file or sharded with an index)."""
     base_dir = Path(base_dir)
@@ -43,7 +55,7 @@ def _weight_files(base_dir: Path) -> dict[str, Path]:
     single = base_dir / WEIGHTS
     if not single.exists():
         raise CheckpointError(f"no safetensors weights in base model directory {base_dir}")
-    with safe_open(single, "pt") as f:
+    with readable_safetensors(single) as f:
         return {name: single for name in f.keys()}
 
 
@@ -51,7 +63,7 @@ def read_base_tensor(base_dir: Path, name: str) -> torch.Tensor:
     files = _weight_files(base_dir)
     if name not in files:
         raise CheckpointError(f"tensor {name!r} not found in base model {base_dir}")
-    with safe_open(files[name], "pt") as f:
+    with readable_safetensors(files[name]) as f:
         return f.get_tensor(name)
 
 
@@ -134,7 +146,8 @@ def load_heads(heads_dir: Path, base_dir: Path | None = None) -> tuple[dict, dic
         raise CheckpointError(f"no {WEIGHTS} in heads directory {heads_dir}")
     if base_dir is not None:
         check_fingerprint(heads_dir, ours["base"], base_dir)
-    return config, load_file(heads_dir / WEIGHTS)
+    with readable_safetensors(heads_dir / WEIGHTS) as f:
+        return config, {name: f.get_tensor(name) for name in f.keys()}
 
 
 def build_heads_module(heads_dir: Path, config: dict, tensors: dict[str, torch.Tensor]) -> DraftHeads:

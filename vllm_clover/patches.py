@@ -127,11 +127,21 @@ class Patch:
     def original(self) -> Callable:
         return getattr(*self._owner_and_attribute())
 
+    def is_applied(self) -> bool:
+        """Whether this patch wraps the target, outermost or under another patch's wrapper
+        (two patches wrap GPUModelRunner.sample_tokens)."""
+        function = self.original()
+        while function is not None:
+            if getattr(function, MARKER, None) == self.name:
+                return True
+            function = getattr(function, "__wrapped__", None)
+        return False
+
     def apply(self) -> None:
+        if self.is_applied():
+            return
         owner, attribute = self._owner_and_attribute()
         original = getattr(owner, attribute)
-        if getattr(original, MARKER, None) == self.name:
-            return
         found = tuple(inspect.signature(original).parameters)
         if found != self.parameters:
             raise VllmInternalsChanged(
