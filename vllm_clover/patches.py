@@ -17,8 +17,7 @@ the last two in a CPU worker that drafts with one of our models, before its firs
       vLLM's medusa branch gives its proposer one hidden state per request and wants a
       fixed [B, K] tensor. Clover needs the sampled token, every scheduled token's hidden
       state and its own KV cache; CLP returns a length per request. Route our draft models
-      to proposer.propose; everything else goes to vLLM's code. The hook also owns the
-      trust flag (below) and the CPU fix (last entry), so both touch only our engines.
+      to proposer.propose; everything else goes to vLLM's code.
   draft_near_max_model_len  GPUModelRunner._input_fits_in_drafter
       vLLM skips the draft step of the whole batch when any request is within K tokens of
       max_model_len, since its drafters write KV at draft positions. Ours write KV only for
@@ -40,6 +39,9 @@ the last two in a CPU worker that drafts with one of our models, before its firs
       draft with our models, attach the drafts to the step's ModelRunnerOutput; the
       scheduler keeps what arrived, and post_step hands it to update_draft_token_ids as
       vLLM would, without the RPC. Outputs without our attribute take vLLM's path.
+      The first wrapper also prepares a runner of ours before it first samples: the trust
+      flag (trust_clp_drafts) and the CPU fixes (the last two entries), so both touch only
+      our engines.
   trust_clp_drafts          RejectionSampler.forward
       CLP's paper mode accepts the predicted span without verification. For a runner
       serving "clp-trust", make the target's verification distribution at each draft

