@@ -177,6 +177,5 @@ def test_a_bad_heads_directory_is_one_line_from_the_cli(demo_base, tmp_path):
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=STARTUP_SECONDS)
     assert done.returncode != 0
     assert "Traceback" not in done.stderr + done.stdout
-    assert done.stderr.strip().splitlines()[-1] == (
-        f"vllm-clover: {weights} is not a readable safetensors file: "
-        "Error while deserializing header: incomplete metadata, file not fully covered")
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"vllm-clover: {weights} is not a readable safetensors file: Error while deserializing header")
