@@ -35,7 +35,7 @@ from typing import Any, Callable
 from vllm_clover.atomic import atomic_write_text
 from vllm_clover.methods import SERVING_NAMES, TABLE
 from vllm_clover.spec_metrics import counters_plus, counters_since, mean_acceptance_length, own_spec_decode_counters
-from vllm_clover_training.data import DataError, iter_jsonl, parse_record
+from vllm_clover_training.data import DataError, iter_records, parse_record
 
 REPO = Path(__file__).resolve().parents[1]
 # Baselines without heads, then every way the method table serves heads -> (table entry,
@@ -98,7 +98,7 @@ def jsonl_prompts(path: Path, n: int) -> Prompts:
     (the first turn, or the first user message). With a "category" on every line, the first n
     prompts of a round robin over categories, so any number of prompts covers them all evenly."""
     texts, categories = [], []
-    for where, record in iter_jsonl(path):
+    for where, record in iter_records(path):
         if isinstance(record.get("prompt"), str):
             texts.append(record["prompt"])
         elif isinstance(record.get("turns"), list) and record["turns"] and isinstance(record["turns"][0], str):

@@ -53,6 +53,8 @@ def test_short_run_learns_and_writes_a_loadable_checkpoint(method, demo_base, tr
     module = checkpoint.build_heads_module(out, config, tensors)
     assert sum(p.numel() for p in module.parameters()) > 0
     assert not out.with_name(out.name + ".work").exists()  # finished: nothing left to resume
+    card = (out / "README.md").read_text()  # every directory the CLI writes can go to the Hub as it is
+    assert card.startswith("---\nbase_model: ") and f'"method": "{method}"' in card
     assert json.loads((out / "provenance.json").read_text())["final_metrics"]["train_seconds"] > 0
 
 
@@ -80,10 +82,25 @@ def test_eval_reports_per_head_accuracy(demo_base, train_jsonl, tmp_path):
                                                                          abs=0.01)
     card = (out / "README.md").read_text()
     assert card == model_card.heads_card(out)
-    assert card.startswith(f"# clp draft heads for `{demo_base.name}`")
+    assert card.startswith(f"---\nbase_model: \"{demo_base}\"\nlibrary_name: \"vllm\"\n")
+    front = card.split("---\n")[1]
+    assert f'"top1_per_head": [{round(trained_eval["per_head"][0]["top1"], 4)}' in front
+    assert f"\n# clp draft heads for `{demo_base.name}`" in card
     assert f"| 1 | {100 * trained_eval['per_head'][0]['top1']:.1f}% |" in card
     assert f"{trained_eval['greedy_acceptance']['per_position_acceptance_length']:.2f} tokens a step" in card
     assert '"method": "clp"' in card and "Length predictor at tau" in card
+
+
+def test_card_rewrites_a_heads_directorys_model_card(demo_base, train_jsonl, tmp_path):
+    out = tmp_path / "clover"
+    run_cli("clover", "--base-model", demo_base, "--data", train_jsonl, "--out", out, *SMALL)
+    written = (out / "README.md").read_text()
+    (out / "README.md").unlink()
+    run_cli("card", out)
+    assert (out / "README.md").read_text() == written
+    assert "None was run with this training" in written
+    with pytest.raises(SystemExit, match=r"no config.json in .*: a card describes a heads directory"):
+        run_cli("card", tmp_path)
 
 
 def test_heads_for_another_base_are_refused(demo_base, train_jsonl, tmp_path):
@@ -105,7 +122,9 @@ def test_heads_for_another_base_are_refused(demo_base, train_jsonl, tmp_path):
 @pytest.mark.parametrize("line,message", [
     ('{"text": "ok"}\n{"text": 3}\n', r"train\.jsonl:2: field 'text' must be a non-empty string"),
     ('{"text": "ok"}\n\n{"txt": "x"}\n', r"train\.jsonl:3: expected a 'text', 'messages' or 'conversations'"),
-    ('[1, 2]\n', r"train\.jsonl:1: expected a JSON object, found list"),
+    ('[1, 2]\n', r"train\.jsonl\[0\]: expected a JSON object, found int"),
+    ('[{"text": "ok"},\n {"txt": "x"}]\n', r"train\.jsonl\[1\]: expected a 'text', 'messages' or 'conversations'"),
+    ('[{"text": "ok"},\n {"text": }]\n', r"train\.jsonl:2: not valid JSON"),
     ('{"text": "a"\n', r"train\.jsonl:1: not valid JSON"),
     ('{"messages": [{"role": "robot", "content": "x"}]}\n', r"train\.jsonl:1: messages\[0\] must be"),
     ('{"conversations": [{"from": "human"}]}\n', r"train\.jsonl:1: conversations\[0\] must be"),
@@ -115,7 +134,31 @@ def test_bad_data_stops_with_file_and_line(demo_base, tmp_path, line, message):
     data.write_text(line)
     with pytest.raises(SystemExit, match=message):
         run_cli("clover", "--base-model", demo_base, "--data", data, "--out", tmp_path / "h", *SMALL)
-    assert not (tmp_path / "h").exists()
+    assert list(tmp_path.iterdir()) == [data]  # no heads, no h.work/
+
+
+def test_data_is_checked_before_the_base_model_loads(train_jsonl, tmp_path):
+    bad = tmp_path / "eval.jsonl"
+    bad.write_text('{"text": "ok"}\n{"txt": "x"}\n')
+    missing_base = tmp_path / "no-such-base"  # loading it would fail with another error
+    with pytest.raises(SystemExit, match=r"eval\.jsonl:2: expected a 'text'"):
+        run_cli("clover", "--base-model", missing_base, "--data", train_jsonl, "--eval-data", bad,
+                "--out", tmp_path / "h", *SMALL)
+    assert list(tmp_path.iterdir()) == [bad]
+
+
+def test_sharegpts_own_file_layout_trains(demo_base, tmp_path):
+    """ShareGPT_V3_unfiltered_cleaned_split.json is one JSON array of {"id", "conversations"}."""
+    train, _ = stdlib_corpus.split_sources()
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps([
+        {"id": str(i), "conversations": [{"from": "human", "value": f"Show me {src}."},
+                                         {"from": "gpt", "value": stdlib_corpus.read_source(src)[:1500]}]}
+        for i, src in enumerate(train[:8])], indent=1))
+    out = tmp_path / "clover"
+    run_cli("clover", "--base-model", demo_base, "--data", data, "--out", out, *SMALL)
+    assert checkpoint.load_heads(out, demo_base)[0]["vllm_clover"]["method"] == "clover"
+    assert json.loads((out / "provenance.json").read_text())["data_sha256"]
 
 
 def test_chat_and_sharegpt_records_tokenise(demo_base, tmp_path):
@@ -129,7 +172,7 @@ def test_chat_and_sharegpt_records_tokenise(demo_base, tmp_path):
                     + json.dumps({"conversations": [{"from": "human", "value": "def f():"},
                                                     {"from": "gpt", "value": "return 1"}]}) + "\n")
     tok = AutoTokenizer.from_pretrained(demo_base)
-    chat, sharegpt = data_mod.read_jsonl(path)
+    chat, sharegpt = data_mod.read_records(path)
     assert data_mod.tokenize(chat, tok) == data_mod.tokenize(sharegpt, tok)
     prompt = data_mod.prompt_ids(chat, tok, 64)
     assert tok.decode(prompt).endswith("assistant: ")

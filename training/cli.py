@@ -5,6 +5,7 @@ methods.TABLE: Clover, CLP, Medusa), or evaluate them.
     vllm-clover-train distill --base-model BASE --data prompts.jsonl --out distilled.jsonl
     vllm-clover-train eval   --heads heads/clover --base-model BASE --data heldout.jsonl --out eval.json
     vllm-clover-train import-gguf --gguf model.gguf --out BASE   (Llama-family GGUF -> HF directory)
+    vllm-clover-train card heads/clover [...]   (rewrite a heads directory's model card, README.md)
 
 Multi-process data parallel: `torchrun --nproc-per-node N -m vllm_clover_training.cli clover ...`.
 """
@@ -95,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     ig.add_argument("--out", type=Path, required=True)
     ig.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ig.add_argument("--force", action="store_true", help="convert again even if OUT holds this file's import")
+    cd = sub.add_parser("card", help="rewrite the model card (README.md) of heads directories from their files")
+    cd.add_argument("heads", type=Path, nargs="+")
     return parser
 
 
@@ -107,7 +110,11 @@ def method_hyper(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "distill":
+        if args.command == "card":
+            from vllm_clover_training.model_card import write_card
+
+            result = {"written": [str(write_card(heads)) for heads in args.heads]}
+        elif args.command == "distill":
             from vllm_clover_training.distill import distill_jsonl
 
             result = distill_jsonl(args.base_model, args.data, args.out, args.distill_prompt_tokens,

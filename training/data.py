@@ -1,11 +1,13 @@
-"""Training data for the heads: JSONL in three shapes, tokenised and packed.
+"""Training data for the heads: records in three shapes, tokenised and packed.
 
     {"text": "..."}                                           plain text
     {"messages": [{"role": "user", "content": "..."}, ...]}   chat (OpenAI style)
     {"conversations": [{"from": "human", "value": "..."}]}    ShareGPT
 
-A line that is none of these stops the run with the file, the line number and what
-was wrong. Nothing is skipped silently.
+A file holds one record per line (JSON Lines) or one JSON array of records (how ShareGPT's
+own `ShareGPT_V3_unfiltered_cleaned_split.json` comes). A record that is none of these
+stops the run with the file, the line (or array index) and what was wrong. Nothing is
+skipped silently.
 """
 
 from __future__ import annotations
@@ -35,12 +37,31 @@ class Record:
     messages: tuple[dict, ...] | None = None
 
 
-def iter_jsonl(path: Path):
-    """("file:line", object) for every non-blank line; one DataError naming the line if a
-    line is not a JSON object."""
+def iter_records(path: Path):
+    """("where", object) for every record of a data file: "file:line" for JSON Lines,
+    "file[index]" for a JSON array; one DataError naming the place if a record is not a
+    JSON object."""
     path = Path(path)
-    if not path.exists():
+    if not path.is_file():
         raise DataError(f"data file not found: {path}")
+    with open(path, encoding="utf-8") as f:
+        starts_an_array = f.read(4096).lstrip().startswith("[")
+    yield from (_array_records(path) if starts_an_array else _line_records(path))
+
+
+def _array_records(path: Path):
+    try:
+        records = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+    for index, obj in enumerate(records):
+        where = f"{path}[{index}]"
+        if not isinstance(obj, dict):
+            raise DataError(f"{where}: expected a JSON object, found {type(obj).__name__}")
+        yield where, obj
+
+
+def _line_records(path: Path):
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -92,8 +113,8 @@ def _sharegpt_messages(turns, where: str) -> tuple[dict, ...]:
     return tuple(out)
 
 
-def read_jsonl(path: Path) -> list[Record]:
-    records = [parse_record(obj, where) for where, obj in iter_jsonl(path)]
+def read_records(path: Path) -> list[Record]:
+    records = [parse_record(obj, where) for where, obj in iter_records(path)]
     if not records:
         raise DataError(f"{path}: no records")
     return records
@@ -220,4 +241,4 @@ def pack(sequences: list[Tokens], max_len: int, eos_id: int) -> Windows:
 
 def packed_files(paths: list[Path], tokenizer, max_len: int) -> Windows:
     """Every record of every file, tokenised as is and packed into windows."""
-    return pack([tokenize(r, tokenizer) for p in paths for r in read_jsonl(p)], max_len, tokenizer.eos_token_id)
+    return pack([tokenize(r, tokenizer) for p in paths for r in read_records(p)], max_len, tokenizer.eos_token_id)

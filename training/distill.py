@@ -55,7 +55,7 @@ def distill_jsonl(base_dir: Path, data: list[Path], out: Path, prompt_tokens: in
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    raw = [(where, obj) for path in data for where, obj in data_mod.iter_jsonl(path)]
+    raw = [(where, obj) for path in data for where, obj in data_mod.iter_records(path)]
     records = [data_mod.parse_record(obj, where) for where, obj in raw]  # every line checked before vLLM starts
     prompts = [data_mod.prompt_ids(r, tokenizer, prompt_tokens) for r in records]
     partial = out.with_name(out.name + ".partial")

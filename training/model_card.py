@@ -1,30 +1,61 @@
 """A heads checkpoint's model card (README.md), written from what the directory itself records:
 config.json (method, K, hyper-parameters, base fingerprint), provenance.json (command, data
-hashes, versions, training time) and eval.json (per-head accuracy and the greedy acceptance
-length it implies), so its numbers cannot drift from the weights they describe.
+hashes, versions, training time) and, when training had --eval-data, eval.json (per-head
+accuracy and the greedy acceptance length it implies), so its numbers cannot drift from the
+weights they describe. It opens with the Hugging Face model-card metadata, so the directory
+can be pushed to the Hub as it is.
 
-    python -m vllm_clover_training.model_card assets/smollm2-heads/clover [...]
+    vllm-clover-train card assets/smollm2-heads/clover [...]
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from vllm_clover.atomic import atomic_write_text
+from vllm_clover.errors import CheckpointError
+
+
+def training_minutes(provenance: dict) -> float | None:
+    """None for heads trained before provenance recorded it."""
+    seconds = provenance["final_metrics"].get("train_seconds")
+    return None if seconds is None else round(seconds / 60, 1)
+
+
+def front_matter(method: str, k: int, vocab: int | None, provenance: dict, evaluation: dict | None) -> list[str]:
+    """Hugging Face model-card metadata: YAML between `---` lines, each value written as JSON
+    (which YAML reads as it is)."""
+    args = provenance["args"]
+    ours = {"method": method, "num_speculative_tokens": k, "draft_vocab_size": vocab,
+            "training_data": list(provenance["data_sha256"]),
+            "training_minutes": training_minutes(provenance)}
+    if evaluation is not None:
+        ours["top1_per_head"] = [round(h["top1"], 4) for h in evaluation["per_head"]]
+        ours["top5_per_head"] = [round(h["top5"], 4) for h in evaluation["per_head"]]
+        if "greedy_acceptance" in evaluation:
+            accepted = evaluation["greedy_acceptance"]["per_position_acceptance_length"]
+            ours["greedy_acceptance_length"] = round(accepted, 3)
+    meta = {"base_model": str(args["base_model"]), "library_name": "vllm",
+            "tags": ["speculative-decoding", "vllm-clover", method], "vllm_clover": ours}
+    return ["---", *(f"{key}: {json.dumps(value)}" for key, value in meta.items()), "---", ""]
 
 
 def heads_card(heads_dir: Path) -> str:
+    for name in ("config.json", "provenance.json", "model.safetensors"):
+        if not (heads_dir / name).is_file():
+            raise CheckpointError(f"no {name} in {heads_dir}: a card describes a heads directory "
+                                  "vllm-clover-train wrote")
     config = json.loads((heads_dir / "config.json").read_text())
     provenance = json.loads((heads_dir / "provenance.json").read_text())
-    evaluation = json.loads((heads_dir / "eval.json").read_text())
+    evaluation = json.loads((heads_dir / "eval.json").read_text()) if (heads_dir / "eval.json").exists() else None
     ours, args = config["vllm_clover"], provenance["args"]
     method, hyper, base = ours["method"], ours["hyper"], ours["base"]
     k = config.get("num_heads") or config.get("n_predict") or hyper.get("num_heads")
     size_mb = (heads_dir / "model.safetensors").stat().st_size / 1e6
     vocab = args.get("draft_vocab_size")
     lines = [
+        *front_matter(method, k, vocab, provenance, evaluation),
         f"# {method} draft heads for `{Path(args['base_model']).name}`",
         "",
         f"K = {k} draft tokens per step, trained by vllm-clover on a frozen base; {size_mb:.1f} MB "
@@ -55,11 +86,17 @@ def heads_card(heads_dir: Path) -> str:
         f"- {args['epochs']} epoch(s), batch {args['batch_size']} x {args['max_len']} tokens, lr {args['lr']}, "
         f"{'soft targets (the base distributions)' if args.get('soft_targets') else 'hard labels'}, "
         f"compute {args.get('compute_dtype', 'float32')}; "
-        f"{provenance['final_metrics']['train_seconds'] / 60:.1f} min of training steps",
+        + (f"{minutes} min of training steps" if (minutes := training_minutes(provenance)) is not None
+           else "training time not recorded"),
         f"- command: `{' '.join(provenance['command'])}`",
         f"- git commit `{provenance['git_commit'][:12]}`, versions: "
         + ", ".join(f"{name} {version}" for name, version in provenance["versions"].items()),
         "",
+    ]
+    if evaluation is None:
+        lines += ["## Evaluation", "", "None was run with this training (`--eval-data`).", ""]
+        return "\n".join(lines)
+    lines += [
         f"## Evaluation ({evaluation['positions']:,} answer positions of `{', '.join(evaluation['data'])}`)",
         "",
         "| head | top-1 | top-5 |",
@@ -89,8 +126,3 @@ def write_card(heads_dir: Path) -> Path:
     path = heads_dir / "README.md"
     atomic_write_text(path, heads_card(heads_dir))
     return path
-
-
-if __name__ == "__main__":
-    for directory in sys.argv[1:]:
-        print(write_card(Path(directory)))

@@ -83,8 +83,16 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
-def training_sequences(args: TrainArgs, tokenizer, work: Path, ddp: Distributed) -> list[data_mod.Tokens]:
-    records = [r for path in args.data for r in data_mod.read_jsonl(path)]
+def read_data(args: TrainArgs) -> list[data_mod.Record]:
+    """Every training record, and every evaluation file checked, before the base model loads
+    or anything is written: bad data stops the run with its file and line, leaving nothing."""
+    for path in args.eval_data:
+        data_mod.read_records(path)
+    return [r for path in args.data for r in data_mod.read_records(path)]
+
+
+def training_sequences(args: TrainArgs, records: list[data_mod.Record], tokenizer, work: Path,
+                       ddp: Distributed) -> list[data_mod.Tokens]:
     if not args.self_distill:
         return [data_mod.tokenize(r, tokenizer) for r in records]
     # Generated once by rank 0 and cached by content, so a resumed run skips it.
@@ -135,11 +143,12 @@ def train(args: TrainArgs) -> dict:
                              f"or delete {work} to start over")
         if args.resume and not state_path.exists():
             raise SystemExit(f"--resume: no training state in {work}")
+    records = read_data(args)
+    base, tokenizer = load_base(args.base_model, args.dtype)
+    if ddp.main:
         work.mkdir(parents=True, exist_ok=True)
     ddp.barrier()
-
-    base, tokenizer = load_base(args.base_model, args.dtype)
-    windows = data_mod.pack(training_sequences(args, tokenizer, work, ddp), args.max_len,
+    windows = data_mod.pack(training_sequences(args, records, tokenizer, work, ddp), args.max_len,
                             tokenizer.eos_token_id)
     torch.manual_seed(args.seed)
     draft_vocab = None
@@ -244,8 +253,7 @@ def finish(args: TrainArgs, heads, base: FrozenBase, tokenizer, work: Path, trai
     extra_files["metrics.jsonl"] = (work / "metrics.jsonl").read_text()
     checkpoint.save_heads(args.out, method, heads, args.base_model, provenance, extra_files=extra_files,
                           dtype=DTYPES[args.save_dtype])
-    if args.eval_data:  # the card reads what was just written, so it describes exactly these files
-        write_card(args.out)
+    write_card(args.out)  # from what was just written, so it describes exactly these files
     # The run is complete: only the self-distilled data stays, for the next run to reuse.
     for name in ("state.pt", "metrics.jsonl"):
         (work / name).unlink(missing_ok=True)
