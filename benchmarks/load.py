@@ -85,14 +85,19 @@ async def complete(session, url: str, model: str, prompt, max_tokens: int, recor
         record.error = f"{type(e).__name__}: {e}"
 
 
+def metric_sums(text: str, names: dict[str, str]) -> dict[str, float | None]:
+    """key -> the sum over labels of Prometheus metric `names[key]` in a /metrics text, None
+    where the server has no such metric (no spec-decode counters without a drafter)."""
+    found = {}
+    for key, name in names.items():
+        values = re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+-]+)$", text, flags=re.M)
+        found[key] = sum(map(float, values)) if values else None
+    return found
+
+
 async def read_counters(session, url: str) -> dict[str, float | None]:
     async with session.get(f"{url}/metrics") as response:
-        text = await response.text()
-    found = {}
-    for key, name in COUNTERS.items():
-        values = re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+]+)$", text, flags=re.M)
-        found[key] = sum(map(float, values)) if values else None  # no spec-decode counters without a drafter
-    return found
+        return metric_sums(await response.text(), COUNTERS)
 
 
 async def drive(url: str, model: str, prompts: list, arrivals: list[tuple[float, int]], phase_seconds: float,

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.load import percentile, read_counters, vllm_serve_command, wait_until_healthy
+from benchmarks.load import metric_sums, percentile, read_counters, vllm_serve_command, wait_until_healthy
 from benchmarks.run import REPO, add_engine_arguments, load_prompts
 from vllm_clover.atomic import atomic_write_text
 
@@ -48,6 +48,8 @@ TRANSCRIPT_TEMPLATE = REPO / "examples" / "transcript.jinja"
 KINDS = {"greedy": 0.30, "sampled": 0.26, "n2": 0.08, "structured": 0.08, "refused_params": 0.06,
          "over_context": 0.04, "disconnect": 0.10, "cancel": 0.08}
 CHOICES = ["yes", "no", "maybe"]
+GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
+          "kv_cache_usage": "vllm:kv_cache_usage_perc"}
 STOPS = ["\n\n", "return", ":"]
 # What a speculative server logs, as an ERROR, about a request it refused on purpose.
 EXPLAINED_ERRORS = {
@@ -69,6 +71,9 @@ class Request:
     refused: bool = False                 # every server must refuse it
     stop_after_chunks: int | None = None  # the client disconnects after this many chunks
     give_up_after: float | None = None    # the client cancels after this many seconds
+
+    def must_refuse(self, speculative: bool) -> bool:
+        return self.refused or (speculative and self.refused_with_spec)
 
 
 @dataclass
@@ -186,8 +191,7 @@ async def post(session, url: str, body: dict, request: Request, outcome: Outcome
 
 def classify(request: Request, outcome: Outcome, speculative: bool) -> str:
     """The outcome's status, with a refusal the request was built to get counted as such."""
-    must_refuse = request.refused or (speculative and request.refused_with_spec)
-    if must_refuse and (outcome.status == "http_4xx" or
+    if request.must_refuse(speculative) and (outcome.status == "http_4xx" or
                         (outcome.status == "error_event" and '"code": 400' in outcome.detail)):
         return "refused"
     return outcome.status
@@ -332,13 +336,7 @@ def drained(server: Server) -> dict:
     import urllib.request
 
     with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    gauges = {}
-    for key, name in {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
-                      "kv_cache_usage": "vllm:kv_cache_usage_perc"}.items():
-        values = re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+-]+)$", text, flags=re.M)
-        gauges[key] = sum(map(float, values)) if values else None
-    return gauges
+        return metric_sums(response.read().decode(), GAUGES)
 
 
 # ---- the summary ----
@@ -370,7 +368,7 @@ def server_summary(server: Server, requests: list[Request], outcomes: list[Outco
              for k in counters["after"]}
     unexpected = [f"#{r.index} {r.kind}: {s} {o.detail}"[:300] for r, o, s in zip(requests, outcomes, statuses)
                   if s not in ("ok", "refused", "disconnected", "cancelled")
-                  or (s == "ok" and (r.refused or (speculative and r.refused_with_spec)))]
+                  or (s == "ok" and r.must_refuse(speculative))]
     return {
         "requests": len(requests), "by_status": dict(Counter(statuses)),
         "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
