@@ -207,7 +207,7 @@ class MethodRun:
 def run_method(method: str, args, prompts: list, arrivals) -> MethodRun:
     url = f"http://127.0.0.1:{args.port}"
     log = args.out.with_suffix(f".{method}.log")
-    command = vllm_serve_command(args, args.port, speculative_config(method, args.heads_dir, args.k))
+    command = vllm_serve_command(args, args.port, speculative_config(method, args.heads_dir, args.k, dict(args.heads)))
     with open(log, "w") as log_file:
         server = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})

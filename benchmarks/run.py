@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vllm_clover.atomic import atomic_write_text
+from vllm_clover.errors import CheckpointError
+from vllm_clover.hub import local_dir
 from vllm_clover.methods import SERVING_NAMES, TABLE
 from vllm_clover.spec_metrics import counters_plus, counters_since, mean_acceptance_length, own_spec_decode_counters
 from vllm_clover_training.data import DataError, iter_records, parse_record
@@ -54,16 +56,18 @@ FIXED_POLICY_METHODS = {f"{name}-fixed": name for name, (m, trusted) in HEADS_ME
 BENCHMARK_METHODS = (*BASELINES, *HEADS_METHODS, *FIXED_POLICY_METHODS)
 
 
-def speculative_config(method: str, heads_dir: Path, k: int) -> dict | None:
-    """The speculative_config of a benchmark method; heads come from heads_dir/<table method>/."""
+def speculative_config(method: str, heads_dir: Path, k: int, heads: dict[str, str] | None = None) -> dict | None:
+    """The speculative_config of a benchmark method; heads come from heads_dir/<table method>/,
+    or from `heads` (table method -> a directory or a Hub id) where it names the method."""
     if method == "vanilla":
         return None
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     if method in FIXED_POLICY_METHODS:
-        return {**speculative_config(FIXED_POLICY_METHODS[method], heads_dir, k), "draft_policy": "fixed"}
-    heads = HEADS_METHODS[method][0]
-    return {"method": method, "model": str(heads_dir / heads.name), "num_speculative_tokens": k}
+        return {**speculative_config(FIXED_POLICY_METHODS[method], heads_dir, k, heads), "draft_policy": "fixed"}
+    entry = HEADS_METHODS[method][0]
+    model = (heads or {}).get(entry.name, str(heads_dir / entry.name))
+    return {"method": method, "model": model, "num_speculative_tokens": k}
 
 
 # ---- prompts ----
@@ -270,7 +274,8 @@ def start_engine(method: str, args, prompts: list) -> Engine:
     """One method's engine, warmed up and with step timers installed."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(args.base_model), speculative_config=speculative_config(method, args.heads_dir, args.k),
+    llm = LLM(model=str(args.base_model),
+              speculative_config=speculative_config(method, args.heads_dir, args.k, dict(args.heads)),
               dtype=args.dtype, max_model_len=args.max_model_len, seed=0, disable_log_stats=False,
               max_num_seqs=max(args.batch_sizes), kv_cache_memory_bytes=args.kv_cache_mb << 20,
               enforce_eager=args.enforce_eager)
@@ -469,13 +474,33 @@ def environment(argv: list[str]) -> dict:
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The target, the heads and the engine settings (benchmarks.run and benchmarks.load)."""
     parser.add_argument("--num-speculative-tokens", dest="k", type=int, default=4)
-    parser.add_argument("--base-model", type=Path, default=REPO / "assets" / "demo-base")
-    parser.add_argument("--heads-dir", type=Path, default=REPO / "assets" / "demo-heads")
+    parser.add_argument("--base-model", type=model_directory, default=REPO / "assets" / "demo-base",
+                        help="a model directory or a Hugging Face Hub id (then its snapshot in the Hub cache)")
+    parser.add_argument("--heads-dir", type=Path, default=REPO / "assets" / "demo-heads",
+                        help="each method's heads in DIR/<method>/ (" + ", ".join(m.name for m in TABLE) + ")")
+    parser.add_argument("--heads", type=heads_location, action="append", default=[], metavar="METHOD=DIR_OR_ID",
+                        help="one method's heads from elsewhere than --heads-dir, e.g. a Hub id (repeatable)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--kv-cache-mb", type=int, default=1024)
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no torch.compile: engines start in ~25 s instead of ~60 s on 2 cores, run slower")
+
+
+def model_directory(value: str) -> Path:
+    try:
+        return local_dir(value, "--base-model")
+    except CheckpointError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def heads_location(value: str) -> tuple[str, str]:
+    method, _, location = value.partition("=")
+    names = [m.name for m in TABLE]
+    if method not in names or not location:
+        raise argparse.ArgumentTypeError(f"expected METHOD=DIR_OR_ID with METHOD one of {', '.join(names)}, "
+                                         f"found {value!r}")
+    return method, location
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -6,6 +6,7 @@ module shares one.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -45,6 +46,24 @@ def real_base() -> Path:
 
     import_gguf(packaged_gguf(), REAL_BASE)
     return REAL_BASE
+
+
+def hub_cache(root: Path, repos: dict[str, Path]) -> dict[str, str]:
+    """A Hugging Face Hub cache as huggingface_hub lays it out (models--org--name/snapshots/
+    COMMIT/ and refs/main), holding `repos` (repo id -> the directory whose files it serves,
+    linked as the real cache links its blobs); returns repo id -> its commit."""
+    commits = {}
+    for repo, source in repos.items():
+        commits[repo] = hashlib.sha1(f"{repo}:{source}".encode()).hexdigest()
+        repo_dir = root / f"models--{repo.replace('/', '--')}"
+        snapshot = repo_dir / "snapshots" / commits[repo]
+        snapshot.mkdir(parents=True)
+        for file in Path(source).iterdir():
+            if file.is_file():
+                (snapshot / file.name).symlink_to(file.resolve())
+        (repo_dir / "refs").mkdir()
+        (repo_dir / "refs" / "main").write_text(commits[repo])
+    return commits
 
 
 def make_llm(model: Path, **overrides):

@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from conftest import DEMO_HEADS, ENGINE_DEFAULTS, REPO
+from conftest import DEMO_HEADS, ENGINE_DEFAULTS, REPO, hub_cache
 from vllm_clover_training.stdlib_corpus import heldout_prompts
 
 STARTUP_SECONDS = 300
+README_HEADS = "assets/demo-heads/clover"  # the heads directory of the README's serve command
 
 
 def readme_serve_command() -> list[str]:
@@ -48,21 +49,25 @@ class Server:
                                         env={**os.environ, **(env or {})}, cwd=REPO)
 
     @classmethod
-    def from_readme(cls, base: Path, log: Path, speculator: bool = True) -> "Server":
+    def from_readme(cls, base: Path | str, log: Path, speculator: bool = True, heads: str | None = None,
+                    env: dict | None = None) -> "Server":
         """The README's command (run from the repository, as its relative paths expect) on
-        `base`, without its --speculative-config for a plain server; then this machine's
-        settings (loopback, a free port, eager, the tests' KV cache)."""
+        `base`, without its --speculative-config for a plain server, or with `heads` for its
+        heads directory; then this machine's settings (loopback, a free port, eager, the
+        tests' KV cache)."""
         command = readme_serve_command()
+        at = command.index("--speculative-config")
         if not speculator:
-            at = command.index("--speculative-config")
             del command[at: at + 2]
+        elif heads is not None:
+            command[at + 1] = command[at + 1].replace(README_HEADS, heads)
         command[0] = sys.executable
         command[command.index("serve") + 1] = str(base)
         port = free_port()
         command += ["--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--seed", "0",
                     "--max-model-len", str(ENGINE_DEFAULTS["max_model_len"]),
                     "--kv-cache-memory-bytes", str(ENGINE_DEFAULTS["kv_cache_memory_bytes"])]
-        return cls(command, port, log, env={"VLLM_LOG_STATS_INTERVAL": "1"})
+        return cls(command, port, log, env={"VLLM_LOG_STATS_INTERVAL": "1", **(env or {})})
 
     @property
     def url(self) -> str:
@@ -162,7 +167,23 @@ def test_metrics_and_log_count_our_drafts(servers):
 def test_the_readme_command_serves_the_bundled_clover_heads():
     command = readme_serve_command()
     assert command[:4] == ["python", "-m", "vllm_clover.vllm_cli", "serve"]
-    assert '"model": "assets/demo-heads/clover"' in command[command.index("--speculative-config") + 1]
+    assert f'"model": "{README_HEADS}"' in command[command.index("--speculative-config") + 1]
+
+
+def test_heads_and_base_served_by_hub_id_offline(servers, demo_base, tmp_path):
+    """The README's command with Hub ids for base and heads, from a Hub cache with
+    HF_HUB_OFFLINE=1: the same answers as the plain server on the local directory."""
+    plain, _ = servers
+    hub_cache(tmp_path / "hub", {"vllm-clover/demo-base": demo_base, "vllm-clover/demo-clover": DEMO_HEADS / "clover"})
+    by_id = Server.from_readme("vllm-clover/demo-base", tmp_path / "by-id.log", heads="vllm-clover/demo-clover",
+                               env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")})
+    try:
+        by_id.wait_ready()
+        prompts = heldout_prompts(4)
+        assert completions(by_id, prompts) == completions(plain, prompts)
+        assert metric(by_id.metrics(), "vllm:spec_decode_num_drafts_total") > 0
+    finally:
+        by_id.stop()
 
 
 def test_a_bad_heads_directory_is_one_line_from_the_cli(demo_base, tmp_path):
@@ -173,7 +194,7 @@ def test_a_bad_heads_directory_is_one_line_from_the_cli(demo_base, tmp_path):
     command = readme_serve_command()
     command[0] = sys.executable
     spec = command.index("--speculative-config") + 1
-    command[spec] = command[spec].replace("assets/demo-heads/clover", str(heads))
+    command[spec] = command[spec].replace(README_HEADS, str(heads))
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=STARTUP_SECONDS)
     assert done.returncode != 0
     assert "Traceback" not in done.stderr + done.stdout

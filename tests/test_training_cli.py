@@ -144,6 +144,9 @@ def test_data_is_checked_before_the_base_model_loads(train_jsonl, tmp_path):
     with pytest.raises(SystemExit, match=r"eval\.jsonl:2: expected a 'text'"):
         run_cli("clover", "--base-model", missing_base, "--data", train_jsonl, "--eval-data", bad,
                 "--out", tmp_path / "h", *SMALL)
+    with pytest.raises(SystemExit, match=r"eval\.jsonl:2: expected a 'text'"):
+        run_cli("eval", "--heads", tmp_path / "no-such-heads", "--base-model", missing_base, "--data", bad,
+                "--out", tmp_path / "eval.json")
     assert list(tmp_path.iterdir()) == [bad]
 
 

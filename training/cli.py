@@ -7,6 +7,9 @@ methods.TABLE: Clover, CLP, Medusa), or evaluate them.
     vllm-clover-train import-gguf --gguf model.gguf --out BASE   (Llama-family GGUF -> HF directory)
     vllm-clover-train card heads/clover [...]   (rewrite a heads directory's model card, README.md)
 
+BASE (and eval's --heads) may be a local directory or a Hugging Face Hub repo id, resolved as
+vLLM resolves its models (--base-revision, the Hub cache, HF_HUB_OFFLINE, HF_TOKEN).
+
 Multi-process data parallel: `torchrun --nproc-per-node N -m vllm_clover_training.cli clover ...`.
 """
 
@@ -26,14 +29,21 @@ def _add_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="the base model's dtype")
 
 
+def _add_base(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-model", required=True,
+                   help="the frozen base: a local Hugging Face model directory or a Hub repo id")
+    p.add_argument("--base-revision", default=None, help="with a Hub id: branch, tag or commit (default main)")
+
+
 def _hyper_dest(key: str) -> str:
     return f"hyper_{key}"  # a namespace of its own: no clash with the common flags
 
 
 def _train_parser(sub, method: DraftMethod) -> argparse.ArgumentParser:
     p = sub.add_parser(method.name, help=method.description)
-    p.add_argument("--base-model", type=Path, required=True, help="frozen base: a local HF checkpoint dir")
-    p.add_argument("--data", type=Path, nargs="+", required=True, help="JSONL: text, messages or conversations")
+    _add_base(p)
+    p.add_argument("--data", type=Path, nargs="+", required=True,
+                   help="JSON Lines or a JSON array: text, messages or conversations records")
     p.add_argument("--out", type=Path, required=True, help="heads checkpoint directory to write")
     p.add_argument("--num-heads", type=int, default=4, help="K, draft tokens per step (1..8)")
     p.add_argument("--epochs", type=int, default=1)
@@ -77,15 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     for method in TABLE:
         _train_parser(sub, method)
     ds = sub.add_parser("distill", help="write the base's greedy continuations of the data's prompts as JSONL")
-    ds.add_argument("--base-model", type=Path, required=True)
+    _add_base(ds)
     ds.add_argument("--data", type=Path, nargs="+", required=True)
     ds.add_argument("--out", type=Path, required=True, help='JSONL of {"text": prompt + continuation}')
     ds.add_argument("--distill-prompt-tokens", type=int, default=64)
     ds.add_argument("--distill-new-tokens", type=int, default=256)
     _add_dtype(ds)
     ev = sub.add_parser("eval", help="per-head top-1/top-5 accuracy of a heads checkpoint")
-    ev.add_argument("--heads", type=Path, required=True)
-    ev.add_argument("--base-model", type=Path, required=True)
+    ev.add_argument("--heads", required=True, help="a heads directory or a Hub repo id")
+    ev.add_argument("--heads-revision", default=None, help="with a Hub id: branch, tag or commit (default main)")
+    _add_base(ev)
     ev.add_argument("--data", type=Path, nargs="+", required=True)
     ev.add_argument("--out", type=Path, required=True)
     ev.add_argument("--max-len", type=int, default=512)
@@ -117,8 +128,8 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "distill":
             from vllm_clover_training.distill import distill_jsonl
 
-            result = distill_jsonl(args.base_model, args.data, args.out, args.distill_prompt_tokens,
-                                   args.distill_new_tokens, args.dtype)
+            result = distill_jsonl(args.base_model, args.base_revision, args.data, args.out,
+                                   args.distill_prompt_tokens, args.distill_new_tokens, args.dtype)
         elif args.command == "import-gguf":
             from vllm_clover_training.import_gguf import import_gguf, packaged_gguf
 
@@ -126,8 +137,8 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "eval":
             from vllm_clover_training.evaluate import evaluate_checkpoint
 
-            result = evaluate_checkpoint(args.heads, args.base_model, args.data, args.out,
-                                         args.max_len, args.batch_size, args.dtype)
+            result = evaluate_checkpoint(args.heads, args.heads_revision, args.base_model, args.base_revision,
+                                         args.data, args.out, args.max_len, args.batch_size, args.dtype)
         else:
             from vllm_clover_training.train_heads import TrainArgs, train
 

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from vllm_clover.atomic import atomic_write_text
+from vllm_clover.hub import local_dir
 from vllm_clover_training import data as data_mod
 
 CHUNK = 256  # prompts per generate() call in distill_jsonl: the unit of resumption
@@ -45,8 +46,8 @@ def generate_continuations(base_dir: Path, prompts: list[list[int]], new_tokens:
     return [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs, strict=True)]
 
 
-def distill_jsonl(base_dir: Path, data: list[Path], out: Path, prompt_tokens: int, new_tokens: int,
-                  dtype: str) -> dict:
+def distill_jsonl(base_model: str, base_revision: str | None, data: list[Path], out: Path, prompt_tokens: int,
+                  new_tokens: int, dtype: str) -> dict:
     """Write one line per record of `data` to `out`: {"text": prompt + greedy continuation}
     for text, or the chat with the base's answer as its last turn ({"messages": [...],
     "finished": whether it ended with EOS}); other fields of the record are kept.
@@ -54,9 +55,10 @@ def distill_jsonl(base_dir: Path, data: list[Path], out: Path, prompt_tokens: in
     Resumable: finished chunks are appended to OUT.partial and skipped by a rerun."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
     raw = [(where, obj) for path in data for where, obj in data_mod.iter_records(path)]
-    records = [data_mod.parse_record(obj, where) for where, obj in raw]  # every line checked before vLLM starts
+    records = [data_mod.parse_record(obj, where) for where, obj in raw]  # every record checked first
+    base_dir = local_dir(base_model, "base model", base_revision)
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
     prompts = [data_mod.prompt_ids(r, tokenizer, prompt_tokens) for r in records]
     partial = out.with_name(out.name + ".partial")
     done = partial.read_text().splitlines(keepends=True) if partial.exists() else []

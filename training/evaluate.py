@@ -25,6 +25,7 @@ import torch
 from vllm_clover import checkpoint
 from vllm_clover.atomic import atomic_write_text
 from vllm_clover.clp import collocation_lengths, lengths_at_threshold
+from vllm_clover.hub import local_dir
 from vllm_clover.layers import head_labels
 from vllm_clover.methods import HeadOutputs
 from vllm_clover_training import data as data_mod
@@ -113,13 +114,18 @@ def choose_tau(heads, base: FrozenBase, windows: Windows, batch_size: int) -> tu
     return best["tau"], sweep
 
 
-def evaluate_checkpoint(heads_dir: Path, base_dir: Path, data: list[Path], out: Path,
-                        max_len: int, batch_size: int, dtype: str) -> dict:
+def evaluate_checkpoint(heads: str, heads_revision: str | None, base_model: str, base_revision: str | None,
+                        data: list[Path], out: Path, max_len: int, batch_size: int, dtype: str) -> dict:
+    """Heads and base are directories or Hub ids; the data is checked before either loads."""
+    for path in data:
+        data_mod.read_records(path)
+    heads_dir = local_dir(heads, "heads", heads_revision)
+    base_dir = local_dir(base_model, "base model", base_revision)
     config, tensors = checkpoint.load_heads(heads_dir, base_dir)
-    heads = checkpoint.build_heads_module(heads_dir, config, tensors)
+    module = checkpoint.build_heads_module(heads_dir, config, tensors)
     base, tokenizer = load_base(base_dir, dtype)
     windows = data_mod.packed_files(data, tokenizer, max_len)
-    result = evaluate_module(config["vllm_clover"]["method"], heads, base, windows, batch_size)
-    result["heads"], result["data"] = str(heads_dir), [str(p) for p in data]
+    result = evaluate_module(config["vllm_clover"]["method"], module, base, windows, batch_size)
+    result["heads"], result["data"] = str(heads), [str(p) for p in data]
     atomic_write_text(out, json.dumps(result, indent=2) + "\n")
     return result

@@ -30,6 +30,8 @@ def front_matter(method: str, k: int, vocab: int | None, provenance: dict, evalu
     ours = {"method": method, "num_speculative_tokens": k, "draft_vocab_size": vocab,
             "training_data": list(provenance["data_sha256"]),
             "training_minutes": training_minutes(provenance)}
+    if provenance.get("base_commit"):  # trained on a Hub id's snapshot: the commit, since base_model names no revision
+        ours["base_commit"] = provenance["base_commit"]
     if evaluation is not None:
         ours["top1_per_head"] = [round(h["top1"], 4) for h in evaluation["per_head"]]
         ours["top5_per_head"] = [round(h["top5"], 4) for h in evaluation["per_head"]]
@@ -39,6 +41,12 @@ def front_matter(method: str, k: int, vocab: int | None, provenance: dict, evalu
     meta = {"base_model": str(args["base_model"]), "library_name": "vllm",
             "tags": ["speculative-decoding", "vllm-clover", method], "vllm_clover": ours}
     return ["---", *(f"{key}: {json.dumps(value)}" for key, value in meta.items()), "---", ""]
+
+
+def base_name(provenance: dict) -> str:
+    """The base as a reader knows it: the Hub id it was trained from, or its directory's name."""
+    base = str(provenance["args"]["base_model"])
+    return base if provenance.get("base_commit") else Path(base).name
 
 
 def heads_card(heads_dir: Path) -> str:
@@ -56,7 +64,7 @@ def heads_card(heads_dir: Path) -> str:
     vocab = args.get("draft_vocab_size")
     lines = [
         *front_matter(method, k, vocab, provenance, evaluation),
-        f"# {method} draft heads for `{Path(args['base_model']).name}`",
+        f"# {method} draft heads for `{base_name(provenance)}`",
         "",
         f"K = {k} draft tokens per step, trained by vllm-clover on a frozen base; {size_mb:.1f} MB "
         f"({args.get('save_dtype', 'float32')}). Only the new weights are here: the base's LM head is shared at "

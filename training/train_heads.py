@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from vllm_clover import checkpoint
 from vllm_clover.atomic import atomic_torch_save, atomic_write_text
+from vllm_clover.hub import local_dir, snapshot_revision
 from vllm_clover.layers import most_frequent_tokens
 from vllm_clover.methods import BY_NAME
 from vllm_clover_training import data as data_mod
@@ -32,7 +33,7 @@ from vllm_clover_training.objective import losses
 @dataclass
 class TrainArgs:
     method: str
-    base_model: Path
+    base_model: str                             # a local directory or a Hub repo id
     data: list[Path]
     out: Path
     num_heads: int = 4
@@ -56,6 +57,7 @@ class TrainArgs:
     soft_targets: bool = False                  # learn the base's distributions, not the data's tokens
     save_every: int = 50
     hyper: dict = field(default_factory=dict)   # method-specific (methods.TABLE's train_options)
+    base_revision: str | None = None            # of a Hub id: branch, tag or commit
     command: list[str] = field(default_factory=lambda: list(sys.argv))
 
 
@@ -91,19 +93,19 @@ def read_data(args: TrainArgs) -> list[data_mod.Record]:
     return [r for path in args.data for r in data_mod.read_records(path)]
 
 
-def training_sequences(args: TrainArgs, records: list[data_mod.Record], tokenizer, work: Path,
+def training_sequences(args: TrainArgs, base_dir: Path, records: list[data_mod.Record], tokenizer, work: Path,
                        ddp: Distributed) -> list[data_mod.Tokens]:
     if not args.self_distill:
         return [data_mod.tokenize(r, tokenizer) for r in records]
     # Generated once by rank 0 and cached by content, so a resumed run skips it.
     key = {"data": [data_mod.file_sha256(p) for p in args.data], "prompt": args.distill_prompt_tokens,
-           "new": args.distill_new_tokens, "base": checkpoint.base_fingerprint(args.base_model)}
+           "new": args.distill_new_tokens, "base": checkpoint.base_fingerprint(base_dir)}
     cache = work / "distilled.json"
     if ddp.main and not (cache.exists() and json.loads(cache.read_text())["key"] == key):
         from vllm_clover_training.distill import generate_continuations
 
         prompts = [data_mod.prompt_ids(r, tokenizer, args.distill_prompt_tokens) for r in records]
-        sequences = generate_continuations(args.base_model, prompts, args.distill_new_tokens, args.dtype)
+        sequences = generate_continuations(base_dir, prompts, args.distill_new_tokens, args.dtype)
         atomic_write_text(cache, json.dumps({"key": key, "sequences": sequences,
                                              "prompt_lengths": [len(p) for p in prompts]}))
     ddp.barrier()
@@ -144,11 +146,12 @@ def train(args: TrainArgs) -> dict:
         if args.resume and not state_path.exists():
             raise SystemExit(f"--resume: no training state in {work}")
     records = read_data(args)
-    base, tokenizer = load_base(args.base_model, args.dtype)
+    base_dir = local_dir(args.base_model, "base model", args.base_revision)  # a Hub id: its snapshot
+    base, tokenizer = load_base(base_dir, args.dtype)
     if ddp.main:
         work.mkdir(parents=True, exist_ok=True)
     ddp.barrier()
-    windows = data_mod.pack(training_sequences(args, records, tokenizer, work, ddp), args.max_len,
+    windows = data_mod.pack(training_sequences(args, base_dir, records, tokenizer, work, ddp), args.max_len,
                             tokenizer.eos_token_id)
     torch.manual_seed(args.seed)
     draft_vocab = None
@@ -158,7 +161,7 @@ def train(args: TrainArgs) -> dict:
     heads = BY_NAME[args.method].heads.from_base(base, args.num_heads, args.hyper, draft_vocab)
     hidden = None
     if args.hidden_cache is not None:  # rank 0 fills it; the others then map the finished file
-        fingerprint = checkpoint.base_fingerprint(args.base_model)
+        fingerprint = checkpoint.base_fingerprint(base_dir)
         if ddp.main:
             hidden = hidden_state_cache(base, fingerprint, windows, args.hidden_cache, args.batch_size)
         ddp.barrier()
@@ -218,7 +221,7 @@ def train(args: TrainArgs) -> dict:
 
     result = {}
     if ddp.main:
-        result = finish(args, heads, base, tokenizer, work, elapsed)
+        result = finish(args, base_dir, heads, base, tokenizer, work, elapsed)
     ddp.barrier()
     return result
 
@@ -230,7 +233,8 @@ def keep_metrics_until(path: Path, step: int) -> None:
         path.write_text("".join(kept))
 
 
-def finish(args: TrainArgs, heads, base: FrozenBase, tokenizer, work: Path, train_seconds: float) -> dict:
+def finish(args: TrainArgs, base_dir: Path, heads, base: FrozenBase, tokenizer, work: Path,
+           train_seconds: float) -> dict:
     from vllm_clover_training.evaluate import choose_tau, evaluate_module
     from vllm_clover_training.model_card import write_card
 
@@ -247,11 +251,12 @@ def finish(args: TrainArgs, heads, base: FrozenBase, tokenizer, work: Path, trai
     provenance = {
         "git_commit": git_commit(), "versions": package_versions(), "command": args.command,
         "args": json.loads(json.dumps(asdict(args), default=str)),
+        "base_commit": snapshot_revision(base_dir),  # the Hub commit trained on (a Hub id's snapshot)
         "data_sha256": {str(p): data_mod.file_sha256(p) for p in args.data + args.eval_data},
         "final_metrics": final,
     }
     extra_files["metrics.jsonl"] = (work / "metrics.jsonl").read_text()
-    checkpoint.save_heads(args.out, method, heads, args.base_model, provenance, extra_files=extra_files,
+    checkpoint.save_heads(args.out, method, heads, base_dir, provenance, extra_files=extra_files,
                           dtype=DTYPES[args.save_dtype])
     write_card(args.out)  # from what was just written, so it describes exactly these files
     # The run is complete: only the self-distilled data stays, for the next run to reuse.

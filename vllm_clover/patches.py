@@ -161,7 +161,8 @@ def _speculative_method_names(original):
         options = None
         if isinstance(self.speculative_config, dict):
             spec = {k.replace("-", "_"): v for k, v in self.speculative_config.items()}
-            resolved, options = spec_config.resolve(spec, target_model_config.model)
+            resolved, options = spec_config.resolve(spec, target_model_config.model, target_model_config.revision,
+                                                      self.download_dir)
             if options is not None:
                 self.speculative_config = resolved
         speculative_config = original(self, target_model_config, target_parallel_config)

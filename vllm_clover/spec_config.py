@@ -27,13 +27,15 @@ instead of a traceback in a worker.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vllm_clover.checkpoint import CONFIG, build_heads_module, load_heads
 from vllm_clover.draft_policy import DEFAULT_POLICY, check_policy
-from vllm_clover.errors import SpecConfigError
+from vllm_clover.errors import CheckpointError, SpecConfigError
+from vllm_clover.hub import is_hub_id, local_dir
 from vllm_clover.methods import (
     BY_NAME,
     SERVING_NAMES,
@@ -42,6 +44,8 @@ from vllm_clover.methods import (
     all_serving_option_keys,
     serving_overrides,
 )
+
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: the one with a handler
 
 CARRIER = "medusa"
 # Where the serving options ride to the workers: an attribute of the draft's hf_config,
@@ -58,25 +62,35 @@ class ServingOptions:
     draft_policy: str = DEFAULT_POLICY  # draft_policy.POLICIES
 
 
-def our_heads_config(model: object) -> dict | None:
-    """config.json of a local heads directory written by vllm-clover-train, else None."""
-    if not isinstance(model, (str, os.PathLike)) or not (Path(model) / CONFIG).is_file():
+def our_heads_config(model: object, revision: str | None = None, download_dir: str | None = None) -> dict | None:
+    """config.json of a heads directory (a path or a Hub id) written by vllm-clover-train, else None."""
+    if not isinstance(model, (str, os.PathLike)):
         return None
     try:
-        config = json.loads((Path(model) / CONFIG).read_text())
+        directory = local_dir(model, "heads", revision, download_dir)
+    except CheckpointError:
+        return None  # not ours to judge; vLLM reports its own error
+    if not (directory / CONFIG).is_file():
+        return None
+    try:
+        config = json.loads((directory / CONFIG).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None  # not ours to judge; vLLM reports its own error
     return config if isinstance(config, dict) and "vllm_clover" in config else None
 
 
-def resolve(spec: dict, target_model: str) -> tuple[dict, ServingOptions | None]:
+def resolve(spec: dict, target_model: str, target_revision: str | None = None,
+            download_dir: str | None = None) -> tuple[dict, ServingOptions | None]:
     """(the dict to hand vLLM, our serving options or None when our plugin does not serve it).
 
     Specs that are not ours are returned untouched, so vLLM behaves exactly as without
-    the plugin for every other method and checkpoint.
+    the plugin for every other method and checkpoint. Heads and base given as Hub ids are
+    fetched (or found in the cache) here, and vLLM is handed the heads' local snapshot: the
+    files it serves are the ones checked.
     """
-    name = spec.get("method")
-    if name not in SERVING_NAMES and not (name in (None, *VLLM_SERVED) and our_heads_config(spec.get("model"))):
+    name, revision = spec.get("method"), spec.get("revision")
+    if name not in SERVING_NAMES and not (name in (None, *VLLM_SERVED)
+                                          and our_heads_config(spec.get("model"), revision, download_dir)):
         return spec, None
     option_keys = all_serving_option_keys() | {DRAFT_POLICY}
     ours = {key: spec[key] for key in option_keys if key in spec}
@@ -85,8 +99,8 @@ def resolve(spec: dict, target_model: str) -> tuple[dict, ServingOptions | None]
     if not heads_dir:
         raise SpecConfigError(f'speculative_config method {name!r} needs "model": a heads directory '
                               "written by vllm-clover-train")
-    heads_dir = Path(heads_dir)
-    base_dir = Path(target_model) if Path(target_model).is_dir() else None
+    heads_dir = local_dir(heads_dir, "heads", revision, download_dir)
+    base_dir = base_directory(target_model, target_revision, download_dir)
     config, tensors = load_heads(heads_dir, base_dir)
     method = BY_NAME[config["vllm_clover"]["method"]]
     wanted = heads_wanted(name)
@@ -108,7 +122,21 @@ def resolve(spec: dict, target_model: str) -> tuple[dict, ServingOptions | None]
     trust = SERVING_NAMES[name][1] if name in SERVING_NAMES else False
     policy = serving_policy(policy, policy_given, trust, name)
     check_runner()
-    return {**spec, "method": CARRIER}, ServingOptions(method.name, trust, overrides, policy)
+    return {**spec, "model": str(heads_dir), "method": CARRIER}, ServingOptions(method.name, trust, overrides, policy)
+
+
+def base_directory(target_model: str, revision: str | None, download_dir: str | None) -> Path | None:
+    """The base's local directory, to check the heads against; None where vLLM loads the base
+    from something else (a GGUF file, ModelScope): then vLLM's own errors speak for it."""
+    if Path(target_model).is_dir():
+        return Path(target_model)
+    if not is_hub_id(target_model):
+        return None
+    try:
+        return local_dir(target_model, "base model", revision, download_dir)
+    except CheckpointError as e:
+        logger.warning("vllm-clover: heads not checked against the base model: %s", e)
+        return None
 
 
 def heads_wanted(name: str | None) -> DraftMethod | None:
