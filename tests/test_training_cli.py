@@ -164,6 +164,73 @@ def test_sharegpts_own_file_layout_trains(demo_base, tmp_path):
     assert json.loads((out / "provenance.json").read_text())["data_sha256"]
 
 
+def chat_rows(sources: list[str]) -> list[dict]:
+    """UltraChat's row layout: a prompt, and the chat as OpenAI-style messages."""
+    return [{"prompt": f"Show me {src}.",
+             "messages": [{"role": "user", "content": f"Show me {src}."},
+                          {"role": "assistant", "content": stdlib_corpus.read_source(src)[:1500]}]}
+            for src in sources]
+
+
+@pytest.fixture
+def datasets_cache(tmp_path, monkeypatch):
+    """`datasets` converts what it loads into Arrow files under its cache: keep them in tmp."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets-cache")
+    return datasets
+
+
+def test_a_hugging_face_dataset_directory_trains_and_evaluates(demo_base, tmp_path, datasets_cache):
+    train, held_out = stdlib_corpus.split_sources()
+    saved = tmp_path / "ultrachat"  # as `DatasetDict.save_to_disk` writes it
+    datasets_cache.DatasetDict({"train_sft": datasets_cache.Dataset.from_list(chat_rows(train[:8])),
+                                "test_sft": datasets_cache.Dataset.from_list(chat_rows(held_out[:3]))}
+                               ).save_to_disk(str(saved))
+    out = tmp_path / "clover"
+    run_cli("clover", "--base-model", demo_base, "--data", saved, "--data-split", "train_sft", "--out", out,
+            "--eval-data", saved, "--eval-data-split", "test_sft", *SMALL)
+    provenance = json.loads((out / "provenance.json").read_text())
+    assert provenance["args"]["data_split"] == "train_sft" and provenance["data_sha256"][str(saved)]
+    evaluation = json.loads((out / "eval.json").read_text())
+    assert evaluation["positions"] > 0 and evaluation["data"] == [str(saved)]
+
+
+def test_parquet_files_and_dataset_repos_read_with_a_chosen_column(tmp_path, datasets_cache):
+    from vllm_clover_training import data as data_mod
+
+    train, _ = stdlib_corpus.split_sources()
+    rows = chat_rows(train[:4])
+    parquet = tmp_path / "chats.parquet"
+    datasets_cache.Dataset.from_list(rows).to_parquet(str(parquet))
+    as_prompts = data_mod.read_records(parquet, field="prompt")  # a text column
+    assert [r.text for r in as_prompts] == [row["prompt"] for row in rows]
+    assert [r.messages for r in data_mod.read_records(parquet)] == [tuple(row["messages"]) for row in rows]
+    # A dataset repo's own layout (data/{split}-NNNNN-of-NNNNN.parquet): the splits come from the file names.
+    repo = tmp_path / "repo"
+    (repo / "data").mkdir(parents=True)
+    for split, part in (("train", rows[:3]), ("test", rows[3:])):
+        datasets_cache.Dataset.from_list(part).to_parquet(str(repo / "data" / f"{split}-00000-of-00001.parquet"))
+    test_records = data_mod.read_records(repo, split="test", field="messages")
+    assert [r.source for r in test_records] == [f"{repo}[test][0]"]
+
+
+@pytest.mark.parametrize("extra,message", [
+    ([], r"holds the splits \['a', 'b'\]: choose one with --data-split"),
+    (["--data-split", "c"], r"has no split 'c'; it has \['a', 'b'\]"),
+    (["--data-split", "b", "--data-field", "answer"], r"\[b\]\[0\]: no field 'answer' \(--data-field\)"),
+    (["--data-split", "a"], r"\[a\]\[1\]: messages\[0\] must be"),
+])
+def test_dataset_errors_name_split_row_and_field_before_the_base_loads(tmp_path, datasets_cache, extra, message):
+    chats = tmp_path / "chats"
+    rows = [{"messages": [{"role": "user", "content": "hi"}]}, {"messages": [{"role": "robot", "content": "x"}]}]
+    datasets_cache.DatasetDict({"a": datasets_cache.Dataset.from_list(rows),
+                                "b": datasets_cache.Dataset.from_list(rows[:1])}).save_to_disk(str(chats))
+    with pytest.raises(SystemExit, match=message):
+        run_cli("clover", "--base-model", tmp_path / "no-such-base", "--data", chats, *extra, "--out", tmp_path / "h")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats"]
+
+
 def test_chat_and_sharegpt_records_tokenise(demo_base, tmp_path):
     from transformers import AutoTokenizer
 

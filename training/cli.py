@@ -35,6 +35,16 @@ def _add_base(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-revision", default=None, help="with a Hub id: branch, tag or commit (default main)")
 
 
+def _add_data(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--data", type=Path, nargs="+", required=True,
+                   help=f"{what}: JSON Lines or JSON array files of text, messages or conversations records, "
+                        "or Hugging Face datasets (a save_to_disk or dataset directory, Parquet files)")
+    p.add_argument("--data-split", default=None, help="the split of a dataset with several (e.g. train_sft)")
+    p.add_argument("--data-field", default=None,
+                   help="the column holding each record's text, messages or conversations, when rows are not "
+                        "records already")
+
+
 def _hyper_dest(key: str) -> str:
     return f"hyper_{key}"  # a namespace of its own: no clash with the common flags
 
@@ -42,8 +52,7 @@ def _hyper_dest(key: str) -> str:
 def _train_parser(sub, method: DraftMethod) -> argparse.ArgumentParser:
     p = sub.add_parser(method.name, help=method.description)
     _add_base(p)
-    p.add_argument("--data", type=Path, nargs="+", required=True,
-                   help="JSON Lines or a JSON array: text, messages or conversations records")
+    _add_data(p, "training data")
     p.add_argument("--out", type=Path, required=True, help="heads checkpoint directory to write")
     p.add_argument("--num-heads", type=int, default=4, help="K, draft tokens per step (1..8)")
     p.add_argument("--epochs", type=int, default=1)
@@ -59,7 +68,9 @@ def _train_parser(sub, method: DraftMethod) -> argparse.ArgumentParser:
                    help="matmuls of a training step (torch.autocast); weights and optimiser stay fp32. "
                         "bfloat16 is ~2.7x faster on CPUs with AVX512-BF16 or AMX")
     p.add_argument("--resume", action="store_true", help="continue the unfinished run in OUT.work/")
-    p.add_argument("--eval-data", type=Path, nargs="*", default=[], help="held-out JSONL scored at the end")
+    p.add_argument("--eval-data", type=Path, nargs="*", default=[],
+                   help="held-out data scored at the end (as --data; --data-field applies to it too)")
+    p.add_argument("--eval-data-split", default=None, help="the split of a dataset in --eval-data")
     p.add_argument("--self-distill", action="store_true",
                    help="train on the base's own greedy continuations of the data's prompts (vLLM)")
     p.add_argument("--distill-prompt-tokens", type=int, default=64)
@@ -88,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         _train_parser(sub, method)
     ds = sub.add_parser("distill", help="write the base's greedy continuations of the data's prompts as JSONL")
     _add_base(ds)
-    ds.add_argument("--data", type=Path, nargs="+", required=True)
+    _add_data(ds, "prompts")
     ds.add_argument("--out", type=Path, required=True, help='JSONL of {"text": prompt + continuation}')
     ds.add_argument("--distill-prompt-tokens", type=int, default=64)
     ds.add_argument("--distill-new-tokens", type=int, default=256)
@@ -97,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--heads", required=True, help="a heads directory or a Hub repo id")
     ev.add_argument("--heads-revision", default=None, help="with a Hub id: branch, tag or commit (default main)")
     _add_base(ev)
-    ev.add_argument("--data", type=Path, nargs="+", required=True)
+    _add_data(ev, "held-out data")
     ev.add_argument("--out", type=Path, required=True)
     ev.add_argument("--max-len", type=int, default=512)
     ev.add_argument("--batch-size", type=int, default=8)
@@ -128,8 +139,8 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "distill":
             from vllm_clover_training.distill import distill_jsonl
 
-            result = distill_jsonl(args.base_model, args.base_revision, args.data, args.out,
-                                   args.distill_prompt_tokens, args.distill_new_tokens, args.dtype)
+            result = distill_jsonl(args.base_model, args.base_revision, args.data, args.data_split, args.data_field,
+                                   args.out, args.distill_prompt_tokens, args.distill_new_tokens, args.dtype)
         elif args.command == "import-gguf":
             from vllm_clover_training.import_gguf import import_gguf, packaged_gguf
 
@@ -138,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
             from vllm_clover_training.evaluate import evaluate_checkpoint
 
             result = evaluate_checkpoint(args.heads, args.heads_revision, args.base_model, args.base_revision,
-                                         args.data, args.out, args.max_len, args.batch_size, args.dtype)
+                                         args.data, args.data_split, args.data_field, args.out, args.max_len,
+                                         args.batch_size, args.dtype)
         else:
             from vllm_clover_training.train_heads import TrainArgs, train
 

@@ -5,9 +5,13 @@
     {"conversations": [{"from": "human", "value": "..."}]}    ShareGPT
 
 A file holds one record per line (JSON Lines) or one JSON array of records (how ShareGPT's
-own `ShareGPT_V3_unfiltered_cleaned_split.json` comes). A record that is none of these
-stops the run with the file, the line (or array index) and what was wrong. Nothing is
-skipped silently.
+own `ShareGPT_V3_unfiltered_cleaned_split.json` comes). A Hugging Face dataset works too
+(read with `datasets`): a `save_to_disk` directory, a dataset repo's directory of Parquet
+(or JSON, CSV) files as `datasets.load_dataset` reads it, or one Parquet file; `split`
+picks one of its splits, and `field` names the column holding each record's text,
+messages or ShareGPT conversations when the rows are not records already. A record that is
+none of these stops the run with the file, the line (or array index, or split and row) and
+what was wrong. Nothing is skipped silently.
 """
 
 from __future__ import annotations
@@ -37,16 +41,62 @@ class Record:
     messages: tuple[dict, ...] | None = None
 
 
-def iter_records(path: Path):
-    """("where", object) for every record of a data file: "file:line" for JSON Lines,
-    "file[index]" for a JSON array; one DataError naming the place if a record is not a
-    JSON object."""
+def iter_records(path: Path, split: str | None = None, field: str | None = None):
+    """("where", object) for every record of a data file or dataset: "file:line" for JSON
+    Lines, "file[index]" for a JSON array, "dataset[split][row]" for a Hugging Face dataset;
+    one DataError naming the place if a record is not a JSON object. With `field`, each
+    record is that column's value, as the record its type makes it (module docstring)."""
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir() or path.suffix == ".parquet":
+        records = _dataset_records(path, split)
+    elif not path.is_file():
         raise DataError(f"data file not found: {path}")
-    with open(path, encoding="utf-8") as f:
-        starts_an_array = f.read(4096).lstrip().startswith("[")
-    yield from (_array_records(path) if starts_an_array else _line_records(path))
+    else:
+        with open(path, encoding="utf-8") as f:
+            starts_an_array = f.read(4096).lstrip().startswith("[")
+        records = _array_records(path) if starts_an_array else _line_records(path)
+    for where, obj in records:
+        yield where, obj if field is None else _field_record(obj, field, where)
+
+
+def _field_record(obj: dict, field: str, where: str) -> dict:
+    if field not in obj:
+        raise DataError(f"{where}: no field {field!r} (--data-field); it has {sorted(obj)[:8]}")
+    value = obj[field]
+    if isinstance(value, str):
+        return {"text": value}
+    sharegpt = isinstance(value, list) and bool(value) and isinstance(value[0], dict) and "from" in value[0]
+    return {"conversations": value} if sharegpt else {"messages": value}
+
+
+def _dataset_records(path: Path, split: str | None):
+    """Rows of a Hugging Face dataset as ("dataset[split][row]", row)."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{path}: reading a Hugging Face dataset needs the `datasets` package "
+                        "(pip install 'vllm-clover[train]')") from None
+    if not path.exists():
+        raise DataError(f"data file not found: {path}")
+    try:
+        if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+            loaded = datasets.load_from_disk(str(path))  # written by save_to_disk
+        elif path.is_dir():
+            loaded = datasets.load_dataset(str(path))
+        else:
+            loaded = datasets.load_dataset("parquet", data_files=str(path))
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
+        raise DataError(f"{path}: not a readable Hugging Face dataset: {e}") from None
+    name = str(path)
+    if isinstance(loaded, datasets.DatasetDict):
+        if split is None and len(loaded) > 1:
+            raise DataError(f"{path} holds the splits {sorted(loaded)}: choose one with --data-split")
+        split = split or next(iter(loaded))
+        if split not in loaded:
+            raise DataError(f"{path} has no split {split!r}; it has {sorted(loaded)}")
+        loaded, name = loaded[split], f"{path}[{split}]"
+    for index, row in enumerate(loaded):
+        yield f"{name}[{index}]", row
 
 
 def _array_records(path: Path):
@@ -113,15 +163,22 @@ def _sharegpt_messages(turns, where: str) -> tuple[dict, ...]:
     return tuple(out)
 
 
-def read_records(path: Path) -> list[Record]:
-    records = [parse_record(obj, where) for where, obj in iter_records(path)]
+def read_records(path: Path, split: str | None = None, field: str | None = None) -> list[Record]:
+    records = [parse_record(obj, where) for where, obj in iter_records(path, split, field)]
     if not records:
         raise DataError(f"{path}: no records")
     return records
 
 
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+def data_sha256(path: Path) -> str:
+    """Of a file's bytes; of a dataset directory, of every file's name and bytes."""
+    path = Path(path)
+    if path.is_file():
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = hashlib.sha256()
+    for file in sorted(f for f in path.rglob("*") if f.is_file()):
+        digest.update(f"{file.relative_to(path)}\0{data_sha256(file)}\0".encode())
+    return digest.hexdigest()
 
 
 def _render_chat(messages, tokenizer, add_generation_prompt: bool) -> list[int]:
@@ -239,6 +296,8 @@ def pack(sequences: list[Tokens], max_len: int, eos_id: int) -> Windows:
     return Windows(as_windows(ids), as_windows(mask))
 
 
-def packed_files(paths: list[Path], tokenizer, max_len: int) -> Windows:
-    """Every record of every file, tokenised as is and packed into windows."""
-    return pack([tokenize(r, tokenizer) for p in paths for r in read_records(p)], max_len, tokenizer.eos_token_id)
+def packed_files(paths: list[Path], tokenizer, max_len: int, split: str | None = None,
+                 field: str | None = None) -> Windows:
+    """Every record of every file (or dataset), tokenised as is and packed into windows."""
+    records = [r for p in paths for r in read_records(p, split, field)]
+    return pack([tokenize(r, tokenizer) for r in records], max_len, tokenizer.eos_token_id)

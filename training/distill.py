@@ -46,8 +46,8 @@ def generate_continuations(base_dir: Path, prompts: list[list[int]], new_tokens:
     return [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs, strict=True)]
 
 
-def distill_jsonl(base_model: str, base_revision: str | None, data: list[Path], out: Path, prompt_tokens: int,
-                  new_tokens: int, dtype: str) -> dict:
+def distill_jsonl(base_model: str, base_revision: str | None, data: list[Path], split: str | None,
+                  field: str | None, out: Path, prompt_tokens: int, new_tokens: int, dtype: str) -> dict:
     """Write one line per record of `data` to `out`: {"text": prompt + greedy continuation}
     for text, or the chat with the base's answer as its last turn ({"messages": [...],
     "finished": whether it ended with EOS}); other fields of the record are kept.
@@ -55,7 +55,7 @@ def distill_jsonl(base_model: str, base_revision: str | None, data: list[Path], 
     Resumable: finished chunks are appended to OUT.partial and skipped by a rerun."""
     from transformers import AutoTokenizer
 
-    raw = [(where, obj) for path in data for where, obj in data_mod.iter_records(path)]
+    raw = [(where, obj) for path in data for where, obj in data_mod.iter_records(path, split, field)]
     records = [data_mod.parse_record(obj, where) for where, obj in raw]  # every record checked first
     base_dir = local_dir(base_model, "base model", base_revision)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)

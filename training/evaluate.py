@@ -115,16 +115,17 @@ def choose_tau(heads, base: FrozenBase, windows: Windows, batch_size: int) -> tu
 
 
 def evaluate_checkpoint(heads: str, heads_revision: str | None, base_model: str, base_revision: str | None,
-                        data: list[Path], out: Path, max_len: int, batch_size: int, dtype: str) -> dict:
+                        data: list[Path], split: str | None, field: str | None, out: Path, max_len: int,
+                        batch_size: int, dtype: str) -> dict:
     """Heads and base are directories or Hub ids; the data is checked before either loads."""
     for path in data:
-        data_mod.read_records(path)
+        data_mod.read_records(path, split, field)
     heads_dir = local_dir(heads, "heads", heads_revision)
     base_dir = local_dir(base_model, "base model", base_revision)
     config, tensors = checkpoint.load_heads(heads_dir, base_dir)
     module = checkpoint.build_heads_module(heads_dir, config, tensors)
     base, tokenizer = load_base(base_dir, dtype)
-    windows = data_mod.packed_files(data, tokenizer, max_len)
+    windows = data_mod.packed_files(data, tokenizer, max_len, split, field)
     result = evaluate_module(config["vllm_clover"]["method"], module, base, windows, batch_size)
     result["heads"], result["data"] = str(heads), [str(p) for p in data]
     atomic_write_text(out, json.dumps(result, indent=2) + "\n")

@@ -52,6 +52,9 @@ class TrainArgs:
     head_weight_decay: float = 1.0
     draft_vocab_size: int | None = None         # N most frequent learned tokens (methods with draft_vocab)
     hidden_cache: Path | None = None            # the base's hidden states, computed once (hidden_cache.py)
+    data_split: str | None = None               # of Hugging Face datasets in --data (data.py)
+    eval_data_split: str | None = None          # of Hugging Face datasets in --eval-data
+    data_field: str | None = None               # the column holding each record, in both
     save_dtype: str = "float32"                 # of the checkpoint's floating-point tensors
     compute_dtype: str = "float32"              # of a training step's matmuls (autocast); weights stay fp32
     soft_targets: bool = False                  # learn the base's distributions, not the data's tokens
@@ -89,8 +92,8 @@ def read_data(args: TrainArgs) -> list[data_mod.Record]:
     """Every training record, and every evaluation file checked, before the base model loads
     or anything is written: bad data stops the run with its file and line, leaving nothing."""
     for path in args.eval_data:
-        data_mod.read_records(path)
-    return [r for path in args.data for r in data_mod.read_records(path)]
+        data_mod.read_records(path, args.eval_data_split, args.data_field)
+    return [r for path in args.data for r in data_mod.read_records(path, args.data_split, args.data_field)]
 
 
 def training_sequences(args: TrainArgs, base_dir: Path, records: list[data_mod.Record], tokenizer, work: Path,
@@ -98,7 +101,8 @@ def training_sequences(args: TrainArgs, base_dir: Path, records: list[data_mod.R
     if not args.self_distill:
         return [data_mod.tokenize(r, tokenizer) for r in records]
     # Generated once by rank 0 and cached by content, so a resumed run skips it.
-    key = {"data": [data_mod.file_sha256(p) for p in args.data], "prompt": args.distill_prompt_tokens,
+    key = {"data": [data_mod.data_sha256(p) for p in args.data], "split": args.data_split,
+           "field": args.data_field, "prompt": args.distill_prompt_tokens,
            "new": args.distill_new_tokens, "base": checkpoint.base_fingerprint(base_dir)}
     cache = work / "distilled.json"
     if ddp.main and not (cache.exists() and json.loads(cache.read_text())["key"] == key):
@@ -241,7 +245,8 @@ def finish(args: TrainArgs, base_dir: Path, heads, base: FrozenBase, tokenizer, 
     method = BY_NAME[args.method]
     final, extra_files = {"train_seconds": round(train_seconds, 1)}, {}
     if args.eval_data:
-        eval_windows = data_mod.packed_files(args.eval_data, tokenizer, args.max_len)
+        eval_windows = data_mod.packed_files(args.eval_data, tokenizer, args.max_len, args.eval_data_split,
+                                             args.data_field)
         if method.length_predictor:
             heads.tau, final["tau_sweep"] = choose_tau(heads, base, eval_windows, args.batch_size)
         evaluation = evaluate_module(method.name, heads, base, eval_windows, args.batch_size)
@@ -252,7 +257,7 @@ def finish(args: TrainArgs, base_dir: Path, heads, base: FrozenBase, tokenizer, 
         "git_commit": git_commit(), "versions": package_versions(), "command": args.command,
         "args": json.loads(json.dumps(asdict(args), default=str)),
         "base_commit": snapshot_revision(base_dir),  # the Hub commit trained on (a Hub id's snapshot)
-        "data_sha256": {str(p): data_mod.file_sha256(p) for p in args.data + args.eval_data},
+        "data_sha256": {str(p): data_mod.data_sha256(p) for p in args.data + args.eval_data},
         "final_metrics": final,
     }
     extra_files["metrics.jsonl"] = (work / "metrics.jsonl").read_text()
