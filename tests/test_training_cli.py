@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import DEMO_HEADS, REPO
 from vllm_clover import checkpoint
 from vllm_clover.methods import TABLE
 from vllm_clover_training import model_card, stdlib_corpus
@@ -101,6 +103,28 @@ def test_card_rewrites_a_heads_directorys_model_card(demo_base, train_jsonl, tmp
     assert "None was run with this training" in written
     with pytest.raises(SystemExit, match=r"no config.json in .*: a card describes a heads directory"):
         run_cli("card", tmp_path)
+
+
+def test_card_records_acceptance_a_benchmark_measured_in_vllm(tmp_path):
+    """The committed policy benchmark of the demo heads, as if it had served this copy of them."""
+    heads = tmp_path / "heads" / "clover"
+    shutil.copytree(DEMO_HEADS / "clover", heads)
+    report = json.loads((REPO / "benchmarks" / "results" / "policy" / "demo.json").read_text())
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps(report))
+    with pytest.raises(SystemExit, match=r"served clover heads from .*demo-heads/clover, not .*heads/clover"):
+        run_cli("card", heads, "--served", elsewhere)
+    report["settings"]["heads_dir"] = str(tmp_path / "heads")
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(report))
+    run_cli("card", heads, "--served", results)
+    fixed = report["results"]["clover-fixed"]["1"]
+    card = (heads / "README.md").read_text()
+    assert f'"served_acceptance_length": {round(fixed["mean_acceptance_length"], 3)}' in card.split("\n---\n")[0]
+    assert f"| clover-fixed | 1 | {fixed['mean_acceptance_length']:.2f} |" in card
+    assert f"Measured by `{report['command']}`" in card
+    run_cli("card", heads)  # served.json stays with the heads: a later card keeps the measurement
+    assert (heads / "README.md").read_text() == card
 
 
 def test_heads_for_another_base_are_refused(demo_base, train_jsonl, tmp_path):

@@ -5,7 +5,7 @@ methods.TABLE: Clover, CLP, Medusa), or evaluate them.
     vllm-clover-train distill --base-model BASE --data prompts.jsonl --out distilled.jsonl
     vllm-clover-train eval   --heads heads/clover --base-model BASE --data heldout.jsonl --out eval.json
     vllm-clover-train import-gguf --gguf model.gguf --out BASE   (Llama-family GGUF -> HF directory)
-    vllm-clover-train card heads/clover [...]   (rewrite a heads directory's model card, README.md)
+    vllm-clover-train card heads/clover [...] [--served RESULTS]   (rewrite a heads directory's model card)
 
 BASE (and eval's --heads) may be a local directory or a Hugging Face Hub repo id, resolved as
 vLLM resolves its models (--base-revision, the Hub cache, HF_HUB_OFFLINE, HF_TOKEN).
@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     ig.add_argument("--force", action="store_true", help="convert again even if OUT holds this file's import")
     cd = sub.add_parser("card", help="rewrite the model card (README.md) of heads directories from their files")
     cd.add_argument("heads", type=Path, nargs="+")
+    cd.add_argument("--served", type=Path, default=None,
+                    help="a benchmarks.run results file that served these heads: its acceptance goes into served.json "
+                         "and the card")
     return parser
 
 
@@ -135,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "card":
             from vllm_clover_training.model_card import write_card
 
-            result = {"written": [str(write_card(heads)) for heads in args.heads]}
+            result = {"written": [str(write_card(heads, args.served)) for heads in args.heads]}
         elif args.command == "distill":
             from vllm_clover_training.distill import distill_jsonl
 
