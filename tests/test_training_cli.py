@@ -127,6 +127,15 @@ def test_card_records_acceptance_a_benchmark_measured_in_vllm(tmp_path):
     assert (heads / "README.md").read_text() == card
 
 
+SHIPPED_HEADS = sorted(p.relative_to(REPO) for p in REPO.glob("assets/*-heads/*") if (p / "config.json").exists())
+
+
+@pytest.mark.parametrize("heads", SHIPPED_HEADS, ids=str)
+def test_shipped_cards_describe_their_files(heads, monkeypatch):
+    monkeypatch.chdir(REPO)  # the cards name their directories as the repository does
+    assert (heads / "README.md").read_text() == model_card.heads_card(heads)
+
+
 def test_heads_for_another_base_are_refused(demo_base, train_jsonl, tmp_path):
     out = tmp_path / "medusa"
     run_cli("medusa", "--base-model", demo_base, "--data", train_jsonl, "--out", out, *SMALL)
