@@ -17,6 +17,7 @@ from vllm_clover.draft_policy import (
     CostModel,
     CostsByBatch,
     GoodputPolicy,
+    SharedDecisions,
     check_policy,
     estimate,
     non_decreasing,
@@ -223,6 +224,34 @@ def test_a_policy_that_drafts_keeps_looking_at_the_full_budget_as_often():
     steps = run_steps(policy, c, 1, roofline(memory_bound_tokens=8, seconds=0.010), steps=3 * EXPLORE_AFTER,
                       confidence=0.3, accept=1)
     assert sum(map(sum, steps[-EXPLORE_AFTER:])) > 0 and policy.explore_after == EXPLORE_AFTER
+
+
+def test_under_tensor_parallelism_every_rank_runs_the_heads_as_deep_as_rank_0():
+    """Two ranks whose own clocks disagree (drafting pays on rank 0's, not on rank 1's) run
+    their heads equally deep every step, as rank 0 decided (the heads' collectives would
+    otherwise wait forever); rank 1's own policy has learned to stop."""
+    clocks, requests, ids = [Clock(), Clock()], 16, [f"r{i}" for i in range(16)]
+    policies = [GoodputPolicy(K, clock=clocks[0]), GoodputPolicy(K, clock=clocks[1])]
+    step_times = [roofline(memory_bound_tokens=128), roofline(memory_bound_tokens=1)]
+    broadcast: list = []  # rank 0 sends, rank 1 receives
+    ranks = [SharedDecisions(policies[0], lambda decision: broadcast.append(decision) or decision),
+             SharedDecisions(policies[1], lambda _: broadcast.pop(0))]
+    drafted, depths = [[0] * requests, [0] * requests], []
+    for _ in range(60):
+        depths.append([])
+        for rank, policy in enumerate(ranks):
+            tokens = requests + sum(drafted[rank])
+            clocks[rank].now += float(step_times[rank](tokens))
+            policy.observe_step(tokens, ids, dict(zip(ids, drafted[rank])), {r: min(1, n) for r, n in
+                                                                              zip(ids, drafted[rank])})
+            depth = policy.heads_to_run([K] * requests)
+            policy.heads_timed(0.0)
+            drafted[rank] = policy.lengths(np.full((requests, depth), 0.9), [depth] * requests) if depth \
+                else [0] * requests
+            policy.end_step(ids)
+            depths[-1].append(depth)
+    assert all(rank0 == rank1 for rank0, rank1 in depths) and depths[-1][0] > 0 and not broadcast
+    assert policies[1].heads_to_run([K] * requests) == 0  # alone, rank 1 would not draft
 
 
 def test_goodput_is_the_default_and_other_names_are_refused():

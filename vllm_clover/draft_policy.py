@@ -431,3 +431,28 @@ class GoodputPolicy:
             "mean_acceptance_rate_per_position": None if mean is None else [round(float(x), 4) for x in mean],
             "judged_drafts_per_position": self.acceptance.tried.sum(1).astype(int).tolist(),
         }
+
+
+class SharedDecisions:
+    """A goodput policy whose decisions on how deep the heads run are one rank's.
+
+    Under tensor parallelism every rank drafts with its shard of the heads, and their
+    collectives (the vocabulary-parallel logits, the augmenting block's row-parallel
+    layers) must run as many times on every rank. Each rank keeps its own policy, learning
+    from its own timings, but takes the depth rank 0 chose, passed on by `share` (a
+    broadcast from rank 0) every step: Clover's `heads_to_run`, CLP's `lengths` before its
+    heads run. Lengths cut after the heads ran need no agreement: the engine takes rank
+    0's drafts. Everything else goes to the rank's own policy."""
+
+    def __init__(self, policy: GoodputPolicy, share: Callable[[object], object]):
+        self.policy, self.share = policy, share
+
+    def heads_to_run(self, budgets: list[int]) -> int:
+        return self.share(self.policy.heads_to_run(budgets))
+
+    def lengths(self, confidence: np.ndarray, budgets: list[int], heads_to_run: bool = False) -> list[int]:
+        lengths = self.policy.lengths(confidence, budgets, heads_to_run)
+        return self.share(lengths) if heads_to_run else lengths
+
+    def __getattr__(self, name: str):
+        return getattr(self.policy, name)

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 from vllm import _custom_ops as ops
 from vllm.compilation.decorators import support_torch_compile
-from vllm.logger import init_logger
+from vllm.distributed import get_tp_group
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -39,13 +39,11 @@ from vllm.platforms import current_platform
 
 from vllm_clover.checkpoint import WEIGHTS, check_tensors, checkpoint_shapes
 from vllm_clover.draft_batch import DraftBatch
-from vllm_clover.draft_policy import DraftStats, GoodputPolicy
+from vllm_clover.draft_policy import DraftStats, GoodputPolicy, SharedDecisions
 from vllm_clover.errors import CheckpointError
 from vllm_clover.layers import MakeScorer, top1_of
 from vllm_clover.methods import BY_NAME
 from vllm_clover.spec_config import ServingOptions, serving_options
-
-logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: the one with a handler
 
 # Checkpoint tensor names of an augmenting block (TorchLlamaDecoderLayer + norm, clover.py).
 AUGMENT, AUGMENT_NORM = "augment.", "augment_norm.weight"
@@ -161,14 +159,12 @@ class HeadsDraftModel(nn.Module):
         self.target_dtype = vllm_config.model_config.dtype
         num_heads = self.heads.num_heads
         self.draft_policy = self.options.draft_policy
-        if self.draft_policy == "goodput" and vllm_config.parallel_config.tensor_parallel_size > 1:
-            # Every rank times its own steps, so ranks could choose different lengths, and the
-            # heads' collectives (vocab-parallel rows, logits, the block's row-parallel
-            # layers) would then wait for each other forever.
-            logger.warning("vllm-clover: draft_policy 'goodput' runs on one rank only for now; "
-                           "tensor_parallel_size > 1 uses 'fixed'")
-            self.draft_policy = "fixed"
         self.policy = GoodputPolicy(num_heads) if self.draft_policy == "goodput" else None
+        if self.policy is not None and vllm_config.parallel_config.tensor_parallel_size > 1:
+            # Every rank times its own steps, so ranks could choose different depths, and the
+            # heads' collectives would then wait for each other forever: rank 0 decides.
+            tensor_parallel = get_tp_group()
+            self.policy = SharedDecisions(self.policy, lambda decision: tensor_parallel.broadcast_object(decision))
         self.stats = DraftStats(num_heads)
         self.stats_logged: tuple[float, dict] | None = None  # (when, stats) of the last log line
 
