@@ -11,6 +11,7 @@ import torch
 from vllm_clover.clover import CloverConfig, CloverHeads
 from vllm_clover.clp import ClpHeads
 from vllm_clover.draft_policy import (
+    CALIBRATION_MIN_DRAFTS,
     EXPLORE_AFTER,
     EXPLORE_STEPS,
     AcceptanceModel,
@@ -18,6 +19,7 @@ from vllm_clover.draft_policy import (
     CostsByBatch,
     GoodputPolicy,
     SharedDecisions,
+    calibration_counts,
     check_policy,
     estimate,
     non_decreasing,
@@ -78,6 +80,22 @@ def test_acceptance_is_counted_per_position_and_confidence():
     assert after[0] > 0.99 * prior[0] and after[1] < 0.1
     assert after[2] == pytest.approx(prior[2]) and after[3] == pytest.approx(prior[3])
     assert model.tried.sum(1).tolist() == [200, 200, 0, 0]
+
+
+def test_held_out_acceptance_is_counted_as_served_drafts_are_and_becomes_the_prior():
+    """Rows whose first two drafts were right (runs 2) at confidence 0.95, and rows that missed
+    the first (runs 0) at 0.15: position 2 is judged only after two right drafts."""
+    confidence = np.array([[0.95, 0.95, 0.95, 0.95]] * 30 + [[0.15, 0.15, 0.15, 0.15]] * 10)
+    runs = np.array([2] * 30 + [0] * 10)
+    calibration = calibration_counts(confidence, runs)
+    tried, accepted = np.array(calibration["tried"]), np.array(calibration["accepted"])
+    assert tried[:, 9].tolist() == [30, 30, 30, 0] and accepted[:, 9].tolist() == [30, 30, 0, 0]
+    assert tried[:, 1].tolist() == [10, 0, 0, 0] and accepted[:, 1].tolist() == [0, 0, 0, 0]
+    prior = AcceptanceModel(K, calibration).prior
+    # Measured on >= CALIBRATION_MIN_DRAFTS drafts: the held-out rate; too few: the bin's centre.
+    assert prior[0, 9] == 1.0 and prior[2, 9] == 0.0 and 10 < CALIBRATION_MIN_DRAFTS
+    assert prior[0, 1] == pytest.approx(0.15) and prior[3, 9] == pytest.approx(0.95)
+    assert np.array_equal(AcceptanceModel(2, calibration).prior, prior[:2])  # K below the heads'
 
 
 def test_step_cost_interpolates_and_guesses_the_unmeasured_side_cheap():

@@ -163,6 +163,19 @@ def test_truncated_weights_are_one_error_naming_the_file(demo_base, heads_copy):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("text,message", [
+    ("{", r"clover/calibration.json is not a calibration table .*JSONDecodeError"),
+    ('{"tried": [], "accepted": []}', r"clover/calibration.json is not a calibration table .*KeyError"),
+    ('{"confidence_bins": 10, "tried": [[1, 2]], "accepted": [[0, 1]]}',
+     r"clover/calibration.json: expected tried and accepted of shape \(4, 10\) .* found \{'tried': \(1, 2\)"),
+])
+def test_a_bad_calibration_table_is_one_error_naming_the_file(demo_base, heads_copy, text, message):
+    heads = heads_copy("clover")
+    (heads / "calibration.json").write_text(text)
+    with pytest.raises(CheckpointError, match=message):
+        engine_config(demo_base, {"method": "clover", "model": str(heads)})
+
+
 def test_forcing_model_runner_v2_is_refused(demo_base, monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     with pytest.raises(SpecConfigError, match="unset it"):

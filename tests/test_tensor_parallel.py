@@ -4,10 +4,13 @@ rank 0's on every rank, and outputs stay exact (Clover and CLP)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from vllm import SamplingParams
 
-from conftest import make_llm, shutdown, speculative
+from conftest import DEMO_HEADS, make_llm, shutdown, speculative
+from vllm_clover.checkpoint import read_calibration
+from vllm_clover.draft_policy import AcceptanceModel
 from vllm_clover.spec_metrics import first_draft_acceptance
 from vllm_clover.spec_metrics import spec_decode_counters as spec_counters
 from vllm_clover_training.stdlib_corpus import heldout_prompts
@@ -51,9 +54,9 @@ def test_drafting_under_tp2_equals_plain_tp2(runs, method):
     assert spec["accepted"] > 0 and first_draft_acceptance(spec) > 0.3
 
 
-def draft_policy(worker) -> tuple[str, str]:
+def draft_policy(worker) -> tuple[str, str, list]:
     model = worker.model_runner.drafter.model
-    return model.draft_policy, type(model.policy).__name__
+    return model.draft_policy, type(model.policy).__name__, model.policy.acceptance.prior.tolist()
 
 
 @pytest.mark.parametrize("method", ["clover", "clp"])
@@ -61,7 +64,15 @@ def test_every_rank_runs_the_goodput_policy_on_rank_0s_decisions(runs, method):
     """Ranks timing their own steps could choose different depths and deadlock in the heads'
     collectives; each keeps its policy but takes rank 0's depth (draft_policy.SharedDecisions).
     The runs above finishing is the other half of this test."""
-    assert runs[method]["policy_per_rank"] == [("goodput", "SharedDecisions")] * 2
+    assert [policy[:2] for policy in runs[method]["policy_per_rank"]] == [("goodput", "SharedDecisions")] * 2
+
+
+@pytest.mark.parametrize("method", ["clover", "clp"])
+def test_the_policy_starts_from_the_heads_held_out_calibration(runs, method):
+    calibration = read_calibration(DEMO_HEADS / method, 4)
+    expected = AcceptanceModel(4, calibration).prior
+    assert calibration is not None and not np.array_equal(expected, AcceptanceModel(4).prior)
+    assert all(np.array_equal(policy[2], expected) for policy in runs[method]["policy_per_rank"])
 
 
 def test_augmenting_block_is_sharded_across_ranks(runs):

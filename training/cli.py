@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--heads-revision", default=None, help="with a Hub id: branch, tag or commit (default main)")
     _add_base(ev)
     _add_data(ev, "held-out data")
+    ev.add_argument("--calibrate", action="store_true",
+                    help="also write the heads' calibration.json: acceptance per draft position and confidence on "
+                         "this data, the goodput policy's prior when serving (Clover, CLP)")
     ev.add_argument("--out", type=Path, required=True)
     ev.add_argument("--max-len", type=int, default=512)
     ev.add_argument("--batch-size", type=int, default=8)
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
 
             result = evaluate_checkpoint(args.heads, args.heads_revision, args.base_model, args.base_revision,
                                          args.data, args.data_split, args.data_field, args.out, args.max_len,
-                                         args.batch_size, args.dtype)
+                                         args.batch_size, args.dtype, args.calibrate)
         else:
             from vllm_clover_training.train_heads import TrainArgs, train
 

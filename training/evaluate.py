@@ -25,9 +25,11 @@ import torch
 from vllm_clover import checkpoint
 from vllm_clover.atomic import atomic_write_text
 from vllm_clover.clp import collocation_lengths, lengths_at_threshold
-from vllm_clover.hub import local_dir
+from vllm_clover.draft_policy import calibration_counts
+from vllm_clover.errors import CheckpointError
+from vllm_clover.hub import is_hub_id, local_dir
 from vllm_clover.layers import head_labels
-from vllm_clover.methods import HeadOutputs
+from vllm_clover.methods import BY_NAME, HeadOutputs
 from vllm_clover_training import data as data_mod
 from vllm_clover_training.base import FrozenBase, load_base
 from vllm_clover_training.data import Windows
@@ -61,12 +63,16 @@ def evaluate_module(method: str, heads, base: FrozenBase, windows: Windows, batc
     hits = None
     counts = None
     length_probs, length_targets = [], []
-    accepted_runs = []
+    accepted_runs, confidences = [], []
+    calibrated = BY_NAME[method].served_by_plugin  # our goodput policy serves them: its prior
     for batch, labels_all, logits, length_logits in _predictions(heads, base, windows, batch_size):
         if hits is None:
             hits, counts = torch.zeros(len(logits), 2), torch.zeros(len(logits))
         runs = collocation_lengths(logits, labels_all)  # a missing label counts as a miss
-        accepted_runs.append(runs[counted(batch, 1)[:, : runs.shape[1]]])
+        kept = counted(batch, 1)[:, : runs.shape[1]]
+        accepted_runs.append(runs[kept])
+        if calibrated:
+            confidences.append(heads.draft_confidence(logits, length_logits, runs.shape[1])[kept])
         for i, lg in enumerate(logits, start=1):
             labels, keep = head_labels(labels_all, i), counted(batch, i)
             top5 = lg.topk(5, dim=-1).indices
@@ -85,6 +91,8 @@ def evaluate_module(method: str, heads, base: FrozenBase, windows: Windows, batc
         "per_position_acceptance_length": round(1 + runs.float().mean().item(), 4),
         "rate_per_position": [round((runs >= i).float().mean().item(), 4) for i in range(1, len(acc) + 1)],
         "positions": len(runs)}
+    if calibrated:
+        result["calibration"] = calibration_counts(torch.cat(confidences).float().numpy(), runs.numpy())
     if length_probs:
         probs, target = torch.cat(length_probs), torch.cat(length_targets)
         result["clp"] = {"tau": heads.tau, **length_report(probs, target, heads.tau),
@@ -116,8 +124,12 @@ def choose_tau(heads, base: FrozenBase, windows: Windows, batch_size: int) -> tu
 
 def evaluate_checkpoint(heads: str, heads_revision: str | None, base_model: str, base_revision: str | None,
                         data: list[Path], split: str | None, field: str | None, out: Path, max_len: int,
-                        batch_size: int, dtype: str) -> dict:
-    """Heads and base are directories or Hub ids; the data is checked before either loads."""
+                        batch_size: int, dtype: str, calibrate: bool = False) -> dict:
+    """Heads and base are directories or Hub ids; the data is checked before either loads.
+    With `calibrate`, the held-out acceptance per draft position and confidence becomes the
+    heads' calibration.json (the goodput policy's prior when serving)."""
+    if calibrate and is_hub_id(heads):
+        raise CheckpointError(f"--calibrate writes into a local heads directory, not the Hub cache's copy of {heads}")
     for path in data:
         data_mod.read_records(path, split, field)
     heads_dir = local_dir(heads, "heads", heads_revision)
@@ -128,5 +140,12 @@ def evaluate_checkpoint(heads: str, heads_revision: str | None, base_model: str,
     windows = data_mod.packed_files(data, tokenizer, max_len, split, field)
     result = evaluate_module(config["vllm_clover"]["method"], module, base, windows, batch_size)
     result["heads"], result["data"] = str(heads), [str(p) for p in data]
+    calibration = result.pop("calibration", None)
+    if calibrate:
+        if calibration is None:
+            raise CheckpointError(f"{heads}: {result['method']} heads are served by vLLM's own proposer, "
+                                  "which has no goodput policy to calibrate")
+        sources = {"data": result["data"], "data_sha256": [data_mod.data_sha256(p) for p in data]}
+        atomic_write_text(heads_dir / checkpoint.CALIBRATION, json.dumps({**calibration, **sources}) + "\n")
     atomic_write_text(out, json.dumps(result, indent=2) + "\n")
     return result

@@ -16,15 +16,18 @@ import json
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from vllm_clover.atomic import atomic_dir
+from vllm_clover.draft_policy import CONFIDENCE_BINS
 from vllm_clover.errors import CheckpointError
 from vllm_clover.methods import BY_NAME, DraftHeads, DraftMethod, method_named
 
 CONFIG, WEIGHTS, PROVENANCE = "config.json", "model.safetensors", "provenance.json"
+CALIBRATION = "calibration.json"  # held-out acceptance per draft position and confidence: the goodput policy's prior
 
 
 def _base_config(base_dir: Path) -> dict:
@@ -148,6 +151,27 @@ def load_heads(heads_dir: Path, base_dir: Path | None = None) -> tuple[dict, dic
         check_fingerprint(heads_dir, ours["base"], base_dir)
     with readable_safetensors(heads_dir / WEIGHTS) as f:
         return config, {name: f.get_tensor(name) for name in f.keys()}
+
+
+def read_calibration(heads_dir: Path, num_positions: int) -> dict | None:
+    """calibration.json of a heads directory (draft_policy.calibration_counts), checked: None
+    when the heads have none; one error naming the file and what is wrong otherwise."""
+    path = Path(heads_dir) / CALIBRATION
+    if not path.exists():
+        return None
+    try:
+        calibration = json.loads(path.read_text())
+        shapes = {key: np.asarray(calibration[key], dtype=np.float64).shape for key in ("tried", "accepted")}
+        bins = calibration["confidence_bins"]
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path} is not a calibration table (confidence_bins, tried, accepted): "
+                              f"{type(e).__name__}: {e}") from None
+    expected = (num_positions, CONFIDENCE_BINS)
+    if bins != CONFIDENCE_BINS or any(shape != expected for shape in shapes.values()):
+        raise CheckpointError(f"{path}: expected tried and accepted of shape {expected} ({num_positions} draft "
+                              f"positions x {CONFIDENCE_BINS} confidence bins), found {shapes} with "
+                              f"confidence_bins {bins}")
+    return calibration
 
 
 def build_heads_module(heads_dir: Path, config: dict, tensors: dict[str, torch.Tensor]) -> DraftHeads:

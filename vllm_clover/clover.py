@@ -42,6 +42,7 @@ from vllm_clover.layers import (
     decoder_layer_shape,
     numel,
     rms_normalize,
+    top1_of,
 )
 
 Regressive = Literal["attention", "mlp", "none"]
@@ -255,6 +256,11 @@ class CloverHeads(StateDictCheckpoint, DraftVocabulary, nn.Module):
             drafts.append(token)
             confidence.append(probability)
         return torch.stack(drafts, dim=-1), torch.stack(confidence, dim=-1)
+
+    def draft_confidence(self, logits: list[torch.Tensor], length_logits: None, positions: int) -> torch.Tensor:
+        """Each draft's confidence as the goodput policy reads it when serving (its head's top-1
+        probability), at the first `positions` positions: [B, positions, K]."""
+        return torch.stack([top1_of(head[:, :positions])[1] for head in logits], dim=-1)
 
     def draft_depth(self, budgets: list[int], policy: GoodputPolicy | None = None) -> int:
         """How many heads run this step (0: none): the largest budget, or as deep as the

@@ -70,6 +70,12 @@ class ClpHeads(StateDictCheckpoint, DraftVocabulary, nn.Module):
         logits = [mlp(h_base[:, : T - 1 - i]) @ out_weight.T for i, mlp in enumerate(self.mlps, start=1)]
         return logits, self.length(h_base)
 
+    def draft_confidence(self, logits: list[torch.Tensor], length_logits: torch.Tensor,
+                         positions: int) -> torch.Tensor:
+        """Each draft's confidence as the goodput policy reads it when serving, at the first
+        `positions` positions: [B, positions, K]."""
+        return conditional_lengths(length_logits[:, :positions])
+
     @torch.no_grad()
     def draft_lengths(self, h: torch.Tensor, tau: float | None = None) -> torch.Tensor:
         """h [N, H] -> draft length per row in 0..K."""
@@ -95,13 +101,19 @@ class ClpHeads(StateDictCheckpoint, DraftVocabulary, nn.Module):
         if policy is None:
             lengths = [min(n, budget) for n, budget in zip(self.draft_lengths(h).tolist(), budgets)]
         else:
-            at_least = at_least_lengths(self.length(h).softmax(-1))       # [R, K+1], P(L* >= 0) = 1
-            conditional = (at_least[:, 1:] / at_least[:, :-1].clamp_min(1e-9)).clamp(max=1)
+            conditional = conditional_lengths(self.length(h))
             lengths = policy.lengths(conditional.float().cpu().numpy(), budgets, heads_to_run=True)
         if max(lengths) == 0:
             return [[] for _ in lengths]
         drafts = self.draft(h, lm_head, max(lengths))
         return [row[:n] for row, n in zip(drafts.tolist(), lengths)]
+
+
+def conditional_lengths(length_logits: torch.Tensor) -> torch.Tensor:
+    """Length logits [..., K+1] -> [..., K]: P(L* >= j | L* >= j-1), what the goodput policy
+    reads as draft j's confidence."""
+    at_least = at_least_lengths(length_logits.softmax(-1))  # P(L* >= 0) = 1
+    return (at_least[..., 1:] / at_least[..., :-1].clamp_min(1e-9)).clamp(max=1)
 
 
 def at_least_lengths(probs: torch.Tensor) -> torch.Tensor:

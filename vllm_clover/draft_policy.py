@@ -47,6 +47,9 @@ DEFAULT_POLICY = "goodput"
 
 CONFIDENCE_BINS = 10
 PRIOR_WEIGHT = 2.0        # pseudo-observations behind each prior acceptance rate (few: heads are often under-confident)
+# A held-out calibration's rate for a (position, bin) replaces the bin's centre as the prior
+# once it rests on this many drafts; rarer bins keep taking the confidence at its word.
+CALIBRATION_MIN_DRAFTS = 20
 SAMPLES_PER_BUCKET = 16   # a cost bucket's estimate: the median of its latest samples,
 MIN_SAMPLES = 3           # once it has this many
 BUCKETS_PER_OCTAVE = 2
@@ -72,11 +75,17 @@ def check_policy(name: object) -> str:
 class AcceptanceModel:
     """a(j, c): the chance that a draft at position j (0-based) whose heads' confidence is c
     is accepted, given the drafts before it were. Counted per (position, confidence bin) on
-    top of a prior that takes the confidence at its word."""
+    top of a prior: the rates measured on held-out data when the heads come with them
+    (`calibration`, see `calibration_counts`), else the confidence taken at its word."""
 
-    def __init__(self, num_positions: int):
+    def __init__(self, num_positions: int, calibration: dict | None = None):
         centres = (np.arange(CONFIDENCE_BINS) + 0.5) / CONFIDENCE_BINS
         self.prior = np.tile(centres, (num_positions, 1))
+        if calibration is not None:
+            tried = np.asarray(calibration["tried"], dtype=np.float64)[:num_positions]
+            accepted = np.asarray(calibration["accepted"], dtype=np.float64)[:num_positions]
+            measured = tried >= CALIBRATION_MIN_DRAFTS
+            self.prior[: len(tried)][measured] = accepted[measured] / tried[measured]
         self.tried = np.zeros((num_positions, CONFIDENCE_BINS))
         self.accepted = np.zeros((num_positions, CONFIDENCE_BINS))
         # How often the heads' confidence falls in each bin, whether drafted or not: what a
@@ -124,6 +133,17 @@ class AcceptanceModel:
             return None
         seen = self.seen.sum(1)
         return np.where(seen > 0, (self.seen * self.calibrated()).sum(1) / np.maximum(seen, 1), 0.0)
+
+
+def calibration_counts(confidence: np.ndarray, runs: np.ndarray) -> dict:
+    """Held-out drafts counted as the policy counts served ones: confidence [N, K] of each
+    position's K drafts, runs [N] how many leading drafts were right there (teacher-forced,
+    so draft j's inputs are what serving gives it when drafts 1..j-1 were accepted) ->
+    {"tried", "accepted"} [K, CONFIDENCE_BINS] lists, the AcceptanceModel `calibration`."""
+    model = AcceptanceModel(confidence.shape[1])
+    model.observe(confidence, np.full(len(runs), confidence.shape[1]), runs)
+    return {"confidence_bins": CONFIDENCE_BINS, "tried": model.tried.astype(int).tolist(),
+            "accepted": model.accepted.astype(int).tolist()}
 
 
 def bucket(num_tokens: int) -> int:
@@ -302,8 +322,9 @@ class GoodputPolicy:
     the previous step's drafts fared and how long the step took (`observe_step`), the heads'
     time (`heads_timed`) and which request each row was (`end_step`)."""
 
-    def __init__(self, num_positions: int, clock: Callable[[], float] = time.perf_counter):
-        self.acceptance = AcceptanceModel(num_positions)
+    def __init__(self, num_positions: int, clock: Callable[[], float] = time.perf_counter,
+                 calibration: dict | None = None):
+        self.acceptance = AcceptanceModel(num_positions, calibration)
         self.step_costs = CostsByBatch(sizes_per_batch=True)  # by requests, then tokens the step runs: decode-only
         self.prefill_step_costs = CostsByBatch(sizes_per_batch=True)  # the same for steps that carried prefill chunks
         self.heads_costs = CostsByBatch(sizes_per_batch=False)  # by rows, then positions the heads draft

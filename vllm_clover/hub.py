@@ -38,9 +38,10 @@ def is_hub_id(model: str | os.PathLike) -> bool:
 
 
 def local_dir(model: str | os.PathLike, what: str, revision: str | None = None,
-              cache_dir: str | None = None) -> Path:
+              cache_dir: str | None = None, files: tuple[str, ...] = MODEL_FILES) -> Path:
     """The local directory of `model`: itself when it is a path (existing or not: the caller's
-    own checks then name what is missing), else the Hub snapshot of that repo id."""
+    own checks then name what is missing), else the Hub snapshot of that repo id, holding at
+    least its `files` (patterns)."""
     if not is_hub_id(model):
         return Path(model)
     import huggingface_hub
@@ -49,7 +50,7 @@ def local_dir(model: str | os.PathLike, what: str, revision: str | None = None,
     offline = constants.HF_HUB_OFFLINE
     try:
         return Path(huggingface_hub.snapshot_download(
-            model, revision=revision, cache_dir=cache_dir, allow_patterns=list(MODEL_FILES),
+            model, revision=revision, cache_dir=cache_dir, allow_patterns=list(files),
             local_files_only=offline))
     except errors.RevisionNotFoundError:
         raise CheckpointError(f"{what} {model!r}: the Hugging Face Hub repo has no revision {revision!r}") from None

@@ -85,6 +85,13 @@ class DraftHeads(Protocol):
         the base's (a draft-vocabulary view of it, scored by `make_scorer(rows)` if given, or
         the head itself)."""
 
+    def draft_confidence(self, logits: list[torch.Tensor], length_logits: torch.Tensor | None,
+                         positions: int) -> torch.Tensor:
+        """Training (plugin-served methods only), from HeadOutputs' logits and length_logits:
+        each draft's confidence as the goodput policy reads it when serving, at the first
+        `positions` positions: [B, positions, K]. Held-out
+        acceptance per confidence is the policy's prior (draft_policy.calibration_counts)."""
+
     def draft_depth(self, budgets: list[int], policy: GoodputPolicy | None = None) -> int:
         """Serving (plugin-served methods only), before the draft states are built: at most
         how many tokens any row drafts this step; 0 skips building them and `propose`."""

@@ -32,7 +32,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from vllm_clover.checkpoint import CONFIG, build_heads_module, load_heads
+from vllm_clover.checkpoint import CONFIG, build_heads_module, load_heads, read_calibration
 from vllm_clover.draft_policy import DEFAULT_POLICY, check_policy
 from vllm_clover.errors import CheckpointError, SpecConfigError
 from vllm_clover.hub import is_hub_id, local_dir
@@ -63,11 +63,12 @@ class ServingOptions:
 
 
 def our_heads_config(model: object, revision: str | None = None, download_dir: str | None = None) -> dict | None:
-    """config.json of a heads directory (a path or a Hub id) written by vllm-clover-train, else None."""
+    """config.json of a heads directory (a path or a Hub id) written by vllm-clover-train, else
+    None. Of a Hub id only config.json is fetched: the model may not be ours at all."""
     if not isinstance(model, (str, os.PathLike)):
         return None
     try:
-        directory = local_dir(model, "heads", revision, download_dir)
+        directory = local_dir(model, "heads", revision, download_dir, files=(CONFIG,))
     except CheckpointError:
         return None  # not ours to judge; vLLM reports its own error
     if not (directory / CONFIG).is_file():
@@ -109,6 +110,8 @@ def resolve(spec: dict, target_model: str, target_revision: str | None = None,
         raise SpecConfigError(f"speculative_config method {name!r} needs {wanted.name} heads, but "
                               f"{heads_dir / CONFIG} holds {method.name} heads (use method {use!r})")
     build_heads_module(heads_dir, config, tensors)  # every tensor present, with its shape
+    if method.served_by_plugin:
+        read_calibration(heads_dir, config["num_heads"])  # the goodput policy's prior, if any
     check_num_speculative_tokens(spec, config, heads_dir)
     policy_given = DRAFT_POLICY in ours
     policy = ours.pop(DRAFT_POLICY, DEFAULT_POLICY)

@@ -37,7 +37,7 @@ from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaModel
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 from vllm.platforms import current_platform
 
-from vllm_clover.checkpoint import WEIGHTS, check_tensors, checkpoint_shapes
+from vllm_clover.checkpoint import WEIGHTS, check_tensors, checkpoint_shapes, read_calibration
 from vllm_clover.draft_batch import DraftBatch
 from vllm_clover.draft_policy import DraftStats, GoodputPolicy, SharedDecisions
 from vllm_clover.errors import CheckpointError
@@ -159,7 +159,8 @@ class HeadsDraftModel(nn.Module):
         self.target_dtype = vllm_config.model_config.dtype
         num_heads = self.heads.num_heads
         self.draft_policy = self.options.draft_policy
-        self.policy = GoodputPolicy(num_heads) if self.draft_policy == "goodput" else None
+        self.policy = (GoodputPolicy(num_heads, calibration=read_calibration(self.heads_dir, num_heads))
+                       if self.draft_policy == "goodput" else None)
         if self.policy is not None and vllm_config.parallel_config.tensor_parallel_size > 1:
             # Every rank times its own steps, so ranks could choose different depths, and the
             # heads' collectives would then wait for each other forever: rank 0 decides.
