@@ -59,19 +59,21 @@ def _length_predictions(length_logits: torch.Tensor, logits: list[torch.Tensor],
 
 
 @torch.no_grad()
-def evaluate_module(method: str, heads, base: FrozenBase, windows: Windows, batch_size: int) -> dict:
+def evaluate_module(method: str, heads, base: FrozenBase, windows: Windows, batch_size: int,
+                    calibrate: bool = False) -> dict:
+    """Per-head accuracy, greedy acceptance (and CLP's length predictor); with `calibrate`, also
+    the goodput policy's calibration table (draft_policy.calibration_counts)."""
     hits = None
     counts = None
     length_probs, length_targets = [], []
     accepted_runs, confidences = [], []
-    calibrated = BY_NAME[method].served_by_plugin  # our goodput policy serves them: its prior
     for batch, labels_all, logits, length_logits in _predictions(heads, base, windows, batch_size):
         if hits is None:
             hits, counts = torch.zeros(len(logits), 2), torch.zeros(len(logits))
         runs = collocation_lengths(logits, labels_all)  # a missing label counts as a miss
         kept = counted(batch, 1)[:, : runs.shape[1]]
         accepted_runs.append(runs[kept])
-        if calibrated:
+        if calibrate:
             confidences.append(heads.draft_confidence(logits, length_logits, runs.shape[1])[kept])
         for i, lg in enumerate(logits, start=1):
             labels, keep = head_labels(labels_all, i), counted(batch, i)
@@ -91,7 +93,7 @@ def evaluate_module(method: str, heads, base: FrozenBase, windows: Windows, batc
         "per_position_acceptance_length": round(1 + runs.float().mean().item(), 4),
         "rate_per_position": [round((runs >= i).float().mean().item(), 4) for i in range(1, len(acc) + 1)],
         "positions": len(runs)}
-    if calibrated:
+    if calibrate:
         result["calibration"] = calibration_counts(torch.cat(confidences).float().numpy(), runs.numpy())
     if length_probs:
         probs, target = torch.cat(length_probs), torch.cat(length_targets)
@@ -126,8 +128,8 @@ def evaluate_checkpoint(heads: str, heads_revision: str | None, base_model: str,
                         data: list[Path], split: str | None, field: str | None, out: Path, max_len: int,
                         batch_size: int, dtype: str, calibrate: bool = False) -> dict:
     """Heads and base are directories or Hub ids; the data is checked before either loads.
-    With `calibrate`, the held-out acceptance per draft position and confidence becomes the
-    heads' calibration.json (the goodput policy's prior when serving)."""
+    With `calibrate`, the acceptance per draft position and confidence on this data becomes
+    the heads' calibration.json (the goodput policy's prior when serving)."""
     if calibrate and is_hub_id(heads):
         raise CheckpointError(f"--calibrate writes into a local heads directory, not the Hub cache's copy of {heads}")
     for path in data:
@@ -135,17 +137,18 @@ def evaluate_checkpoint(heads: str, heads_revision: str | None, base_model: str,
     heads_dir = local_dir(heads, "heads", heads_revision)
     base_dir = local_dir(base_model, "base model", base_revision)
     config, tensors = checkpoint.load_heads(heads_dir, base_dir)
+    method = config["vllm_clover"]["method"]
+    if calibrate and not BY_NAME[method].served_by_plugin:
+        raise CheckpointError(f"{heads}: {method} heads are served by vLLM's own proposer, which has no goodput "
+                              "policy to calibrate")
     module = checkpoint.build_heads_module(heads_dir, config, tensors)
     base, tokenizer = load_base(base_dir, dtype)
     windows = data_mod.packed_files(data, tokenizer, max_len, split, field)
-    result = evaluate_module(config["vllm_clover"]["method"], module, base, windows, batch_size)
+    result = evaluate_module(method, module, base, windows, batch_size, calibrate)
     result["heads"], result["data"] = str(heads), [str(p) for p in data]
-    calibration = result.pop("calibration", None)
     if calibrate:
-        if calibration is None:
-            raise CheckpointError(f"{heads}: {result['method']} heads are served by vLLM's own proposer, "
-                                  "which has no goodput policy to calibrate")
         sources = {"data": result["data"], "data_sha256": [data_mod.data_sha256(p) for p in data]}
-        atomic_write_text(heads_dir / checkpoint.CALIBRATION, json.dumps({**calibration, **sources}) + "\n")
+        atomic_write_text(heads_dir / checkpoint.CALIBRATION,
+                          json.dumps({**result.pop("calibration"), **sources}) + "\n")
     atomic_write_text(out, json.dumps(result, indent=2) + "\n")
     return result

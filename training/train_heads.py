@@ -250,10 +250,6 @@ def finish(args: TrainArgs, base_dir: Path, heads, base: FrozenBase, tokenizer, 
         if method.length_predictor:
             heads.tau, final["tau_sweep"] = choose_tau(heads, base, eval_windows, args.batch_size)
         evaluation = evaluate_module(method.name, heads, base, eval_windows, args.batch_size)
-        if "calibration" in evaluation:
-            calibration = {**evaluation.pop("calibration"), "data": [str(p) for p in args.eval_data],
-                           "data_sha256": [data_mod.data_sha256(p) for p in args.eval_data]}
-            extra_files[checkpoint.CALIBRATION] = json.dumps(calibration) + "\n"
         final.update(evaluation)
         evaluation["data"] = [str(p) for p in args.eval_data]
         extra_files["eval.json"] = json.dumps(evaluation, indent=2) + "\n"
