@@ -27,7 +27,7 @@ from vllm_clover.errors import CheckpointError
 from vllm_clover.methods import BY_NAME, DraftHeads, DraftMethod, method_named
 
 CONFIG, WEIGHTS, PROVENANCE = "config.json", "model.safetensors", "provenance.json"
-CALIBRATION = "calibration.json"  # held-out acceptance per draft position and confidence: the goodput policy's prior
+CALIBRATION = "calibration.json"  # acceptance per draft position and confidence (eval --calibrate): the policy's prior
 
 
 def _base_config(base_dir: Path) -> dict:

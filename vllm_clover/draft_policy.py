@@ -47,7 +47,7 @@ DEFAULT_POLICY = "goodput"
 
 CONFIDENCE_BINS = 10
 PRIOR_WEIGHT = 2.0        # pseudo-observations behind each prior acceptance rate (few: heads are often under-confident)
-# A held-out calibration's rate for a (position, bin) replaces the bin's centre as the prior
+# A calibration's rate for a (position, bin) replaces the bin's centre as the prior
 # once it rests on this many drafts; rarer bins keep taking the confidence at its word.
 CALIBRATION_MIN_DRAFTS = 20
 SAMPLES_PER_BUCKET = 16   # a cost bucket's estimate: the median of its latest samples,
@@ -75,8 +75,9 @@ def check_policy(name: object) -> str:
 class AcceptanceModel:
     """a(j, c): the chance that a draft at position j (0-based) whose heads' confidence is c
     is accepted, given the drafts before it were. Counted per (position, confidence bin) on
-    top of a prior: the rates measured on held-out data when the heads come with them
-    (`calibration`, see `calibration_counts`), else the confidence taken at its word."""
+    top of a prior: the rates measured on data like the traffic when the heads come with them
+    (`calibration`, see `calibration_counts`; README: why only then), else the confidence
+    taken at its word."""
 
     def __init__(self, num_positions: int, calibration: dict | None = None):
         centres = (np.arange(CONFIDENCE_BINS) + 0.5) / CONFIDENCE_BINS
