@@ -252,13 +252,14 @@ def test_parquet_files_and_dataset_repos_read_with_a_chosen_column(tmp_path, dat
     as_prompts = data_mod.read_records(parquet, field="prompt")  # a text column
     assert [r.text for r in as_prompts] == [row["prompt"] for row in rows]
     assert [r.messages for r in data_mod.read_records(parquet)] == [tuple(row["messages"]) for row in rows]
-    # A dataset repo's own layout (data/{split}-NNNNN-of-NNNNN.parquet): the splits come from the file names.
+    # A dataset repo's own layout (data/{split}-NNNNN-of-NNNNN.parquet, UltraChat's split names):
+    # the splits come from the file names.
     repo = tmp_path / "repo"
     (repo / "data").mkdir(parents=True)
-    for split, part in (("train", rows[:3]), ("test", rows[3:])):
+    for split, part in (("train_sft", rows[:3]), ("test_sft", rows[3:])):
         datasets_cache.Dataset.from_list(part).to_parquet(str(repo / "data" / f"{split}-00000-of-00001.parquet"))
-    test_records = data_mod.read_records(repo, split="test", field="messages")
-    assert [r.source for r in test_records] == [f"{repo}[test][0]"]
+    test_records = data_mod.read_records(repo, split="test_sft", field="messages")
+    assert [r.source for r in test_records] == [f"{repo}[test_sft][0]"]
 
 
 @pytest.mark.parametrize("extra,message", [
