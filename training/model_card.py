@@ -82,8 +82,9 @@ def front_matter(method: str, k: int, vocab: int | None, provenance: dict, evalu
         if "greedy_acceptance" in evaluation:
             accepted = evaluation["greedy_acceptance"]["per_position_acceptance_length"]
             ours["greedy_acceptance_length"] = round(accepted, 3)
-    if served is not None and served_acceptance(served) is not None:
-        ours["served_acceptance_length"] = served_acceptance(served)
+    served_length = None if served is None else served_acceptance(served)
+    if served_length is not None:
+        ours["served_acceptance_length"] = served_length
     meta = {"base_model": str(args["base_model"]), "library_name": "vllm",
             "tags": ["speculative-decoding", "vllm-clover", method], "vllm_clover": ours}
     return ["---", *(f"{key}: {json.dumps(value)}" for key, value in meta.items()), "---", ""]
