@@ -18,6 +18,7 @@ from vllm_clover.draft_policy import (
     CostModel,
     CostsByBatch,
     GoodputPolicy,
+    Looks,
     SharedDecisions,
     calibration_counts,
     check_policy,
@@ -227,21 +228,50 @@ def test_under_steady_arrivals_every_step_carries_a_prefill_and_still_counts():
     assert sum(len(s) for m in policy.prefill_step_costs.models.values() for s in m.samples.values()) == samples
 
 
-def test_a_policy_that_stopped_drafting_looks_again_less_and_less_often():
+def test_a_policy_that_stopped_drafting_looks_one_draft_deeper_less_and_less_often():
     c = Clock()
-    steps = run_steps(GoodputPolicy(K, clock=c), c, 64, roofline(), steps=30 + 7 * EXPLORE_AFTER + 2 * EXPLORE_STEPS)
+    steps = run_steps(GoodputPolicy(K, clock=c), c, 64, roofline(), steps=30 + 7 * EXPLORE_AFTER + 2 * EXPLORE_STEPS,
+                      accept=0)
     looks = [i for i, s in enumerate(steps) if i >= 30 and sum(s) and not sum(steps[i - 1])]
-    # each look EXPLORE_STEPS full-budget steps in a row; the gap doubles while drafting never pays
-    assert all(steps[i:i + EXPLORE_STEPS] == [[K] * 64] * EXPLORE_STEPS for i in looks)
+    # each look EXPLORE_STEPS steps of one draft per request (the plan's 0, plus one); the gap
+    # doubles while looking does not pay
+    assert all(steps[i:i + EXPLORE_STEPS] == [[1] * 64] * EXPLORE_STEPS for i in looks)
     assert np.diff(looks).tolist() == [2 * EXPLORE_AFTER, 4 * EXPLORE_AFTER]
 
 
-def test_a_policy_that_drafts_keeps_looking_at_the_full_budget_as_often():
-    c = Clock()
-    policy = GoodputPolicy(K, clock=c)
-    steps = run_steps(policy, c, 1, roofline(memory_bound_tokens=8, seconds=0.010), steps=3 * EXPLORE_AFTER,
-                      confidence=0.3, accept=1)
-    assert sum(map(sum, steps[-EXPLORE_AFTER:])) > 0 and policy.explore_after == EXPLORE_AFTER
+def drive_looks(looks: Looks, steps: int, planned_tokens: int, look_tokens: int) -> list[int]:
+    """Steps of one second each, as the policy drives `Looks`: the last step's outcome, then
+    the next step. Returns the steps at which looks began."""
+    began, looked = [], None
+    for step in range(steps):
+        if looked is not None:
+            looks.step_done(16, looked, look_tokens if looked else planned_tokens, 1.0)
+        looks.next_step()
+        if looks.now() and not looked:
+            began.append(step)
+        looked = looks.now()
+    return began
+
+
+def test_a_look_that_pays_brings_the_next_one_closer_by_half():
+    looks = Looks()
+    drive_looks(looks, 7 * EXPLORE_AFTER + 2 * EXPLORE_STEPS, planned_tokens=16, look_tokens=15)  # 3 looks, none paid
+    assert looks.interval == 8 * EXPLORE_AFTER
+    began = drive_looks(looks, 8 * EXPLORE_AFTER + 2 * EXPLORE_STEPS, planned_tokens=16, look_tokens=20)
+    assert looks.interval == 4 * EXPLORE_AFTER  # one look that paid: halved, not back to the start
+    drive_looks(looks, 4 * EXPLORE_AFTER + 2 * EXPLORE_STEPS, planned_tokens=16, look_tokens=20)
+    assert looks.interval == 2 * EXPLORE_AFTER and len(began) == 1
+
+
+def test_a_look_at_a_batch_size_no_planned_step_ran_leaves_the_interval():
+    looks = Looks()
+    for _ in range(EXPLORE_AFTER - 1):
+        looks.step_done(1, False, 1, 1.0)
+        looks.next_step()
+    for _ in range(EXPLORE_STEPS + 1):  # the look, at batch 64, where nothing was planned before
+        looks.next_step()
+        looks.step_done(64, True, 0, 1.0)  # would not pay against the batch-1 steps
+    assert looks.interval == EXPLORE_AFTER
 
 
 def test_under_tensor_parallelism_every_rank_runs_the_heads_as_deep_as_rank_0():

@@ -25,8 +25,8 @@ chance of being right, which is the prior); the step time from the wall time bet
 successive draft steps, per batch size and token count (both in buckets); the heads' time
 per number of rows and positions. A batch size not yet measured borrows the nearest measured
 one's figures (`estimate`); until any is measured the policy drafts the full budget, which
-is also how it measures; every so often it drafts the full budget again, to re-measure
-(EXPLORE_AFTER, less often while that keeps not paying).
+is also how it measures. Every so often it looks one draft deeper than it plans, to
+re-measure what it no longer drafts (`Looks`: less often while looking does not pay).
 
 `fixed` (speculative_config "draft_policy": "fixed") keeps each method's own rule: Clover
 drafts its budget, CLP thresholds its predicted length at tau.
@@ -53,17 +53,13 @@ CALIBRATION_MIN_DRAFTS = 20
 SAMPLES_PER_BUCKET = 16   # a cost bucket's estimate: the median of its latest samples,
 MIN_SAMPLES = 3           # once it has this many
 BUCKETS_PER_OCTAVE = 2
-# After every EXPLORE_AFTER steps, EXPLORE_STEPS steps draft the full budget: they
-# re-measure what the deepest drafts cost and earn, which a policy that stopped drafting
-# (under load) or drafts shallowly would otherwise never see again, leaving stale figures
-# in charge. Several in a row, because the first drafting step after a pause runs on cold
-# caches and costs more than drafting does in steady state. While looking again keeps
-# showing that drafting does not pay (no step between two looks drafted), the interval
-# doubles, up to EXPLORE_AFTER_MAX: at batch 64 on SmolLM2 a look costs ~2x a step, so
-# looking every 200 steps cost ~2-3% of the throughput, every 3,200 ~0.2%.
+# Every EXPLORE_AFTER steps (at first), EXPLORE_STEPS steps draft one token more per request
+# than planned (`Looks`). Several in a row, because the first drafting step after a pause
+# runs on cold caches and costs more than drafting does in steady state.
 EXPLORE_AFTER = 200
 EXPLORE_AFTER_MAX = 3200
 EXPLORE_STEPS = 4
+LOOK_REFERENCE_STEPS = 64  # the latest steps a look is judged against (its own among them)
 
 
 def check_policy(name: object) -> str:
@@ -317,6 +313,64 @@ class DraftStats:
                 "steps_without_drafts": self.steps_without_drafts, "per_position": list(self.per_position)}
 
 
+class Looks:
+    """When the policy looks one draft deeper than it plans, and how often that pays.
+
+    A policy that stopped drafting (under load) or drafts shallowly would never again see
+    what deeper drafts earn and cost, leaving stale figures in charge; so every `interval`
+    steps, EXPLORE_STEPS steps draft one token more per request than planned (within the
+    budget). One, not the full budget: a request's marginal gains fall with depth and a
+    step's cost per token does not (a roofline), so where one more draft does not pay, none
+    further would. Full-budget looks ran ~80 tokens instead of 16 through SmolLM2's
+    compute-bound target at batch 16: most of what Clover lost there.
+
+    Whether a look paid is measured, not predicted: its steps' output (tokens sampled plus
+    drafts accepted) per second from their draft step to the next, against the planned
+    steps' just before it at the same batch sizes. Each look that did not pay doubles the
+    interval, up to EXPLORE_AFTER_MAX; each that paid halves it, down to EXPLORE_AFTER (so
+    one lucky look does not bring back frequent ones). The first version doubled it only
+    while no planned step drafted at all, which a few confident rows (~1% of steps at batch
+    16) kept preventing."""
+
+    def __init__(self):
+        self.interval = EXPLORE_AFTER
+        self._since = 0   # steps since the last look began
+        self._left = 0    # steps of the current look still to run
+        # The latest planned and look steps: (batch-size bucket, a look's, tokens out, seconds).
+        self._steps: deque[tuple[int, bool, int, float]] = deque(maxlen=LOOK_REFERENCE_STEPS)
+
+    def now(self) -> bool:
+        return self._left > 0
+
+    def step_done(self, requests: int, looked: bool, tokens_out: int, seconds: float) -> None:
+        self._steps.append((bucket(requests), looked, tokens_out, seconds))
+
+    def next_step(self) -> None:
+        """Once a step, after the last step's outcome is in: judge a look that just ended,
+        start the next one when due."""
+        if self._left:
+            self._left -= 1
+            if not self._left:
+                self._judge()
+        self._since += 1
+        if self._since >= self.interval:
+            self._since, self._left = 0, EXPLORE_STEPS
+
+    def _judge(self) -> None:
+        looked = [step for step in self._steps if step[1]][-EXPLORE_STEPS:]
+        batch_sizes = {step[0] for step in looked}
+        planned = [step for step in self._steps if not step[1] and step[0] in batch_sizes]
+        if looked and planned:
+            if tokens_per_second(looked) >= tokens_per_second(planned):
+                self.interval = max(self.interval // 2, EXPLORE_AFTER)
+            else:
+                self.interval = min(2 * self.interval, EXPLORE_AFTER_MAX)
+
+
+def tokens_per_second(steps: list[tuple[int, bool, int, float]]) -> float:
+    return sum(step[2] for step in steps) / max(sum(step[3] for step in steps), 1e-9)
+
+
 class GoodputPolicy:
     """The goodput policy of one engine (module docstring). Within a step the heads call
     `heads_to_run` (Clover, before its chain) and `lengths`; the runner hook reports how
@@ -332,10 +386,8 @@ class GoodputPolicy:
         self.clock = clock
         self.base_tokens = 1          # the next step's decodes: requests that sampled a token in this one
         self._running: set[str] = set()  # the requests of the last step
-        self.explore_after = EXPLORE_AFTER
-        self._since_explored = 0       # steps since the last look at the full budget
-        self._exploring = 0            # full-budget steps left in this look
-        self._drafted_since = False    # a planned step drafted since the last look
+        self.looks = Looks()
+        self._looked: bool | None = None  # this step's lengths: a look's (True), planned (False), neither (None)
         self._last_step_start: float | None = None
         self._heads_seconds = 0.0
         self._heads_run = 0
@@ -362,13 +414,16 @@ class GoodputPolicy:
         were mixed), but under steady arrivals nearly every step carries one. The policy plans
         on the decodes alone: a prompt is prefilled once whatever is drafted."""
         now = self.clock()
-        self._schedule_exploration()
         if self._last_step_start is not None and not self._running.isdisjoint(req_ids):
             # Since the last draft step began: its heads, then this whole engine step.
+            seconds = now - self._last_step_start
             decode_only = num_tokens == len(req_ids) + sum(verified.values()) and len(accepted) == len(req_ids)
             costs = self.step_costs if decode_only else self.prefill_step_costs
-            costs.observe(len(req_ids), num_tokens, now - self._last_step_start - self._heads_seconds)
-        self._last_step_start, self._heads_seconds, self._heads_run = now, 0.0, 0
+            costs.observe(len(req_ids), num_tokens, seconds - self._heads_seconds)
+            if self._looked is not None:
+                self.looks.step_done(len(req_ids), self._looked, len(accepted) + sum(accepted.values()), seconds)
+        self.looks.next_step()
+        self._last_step_start, self._heads_seconds, self._heads_run, self._looked = now, 0.0, 0, None
         self._running = set(req_ids)
         self.base_tokens = max(len(accepted), 1)
         if self._pending is not None:
@@ -391,14 +446,16 @@ class GoodputPolicy:
     def heads_to_run(self, budgets: list[int]) -> int:
         """Before any head runs (Clover): how many positions are worth drafting for an average
         request of this batch; 0 skips the heads. Until the policy has measured the heads'
-        confidence, their time and the step time at this batch size, and when exploring,
-        the full budget."""
+        confidence, their time and the step time at this batch size, the full budget; in a
+        look, one more than planned."""
         deepest, self._rows = max(budgets, default=0), len(budgets)
         mean = self.acceptance.mean_rates()
         costs = self._costs(with_heads=True)
-        if deepest and not self._explore_now() and mean is not None and costs is not None:
+        if deepest and mean is not None and costs is not None:
             rates = np.broadcast_to(mean[:deepest], (len(budgets), deepest))
-            deepest = max(plan_lengths(rates, budgets, self.base_tokens, *costs))
+            planned = max(plan_lengths(rates, budgets, self.base_tokens, *costs))
+            self._looked = self.looks.now()
+            deepest = min(planned + 1, deepest) if self._looked else planned
         self._heads_run = deepest
         return deepest
 
@@ -409,9 +466,11 @@ class GoodputPolicy:
         self._rows = len(budgets)
         self.acceptance.note_confidence(confidence)
         costs = self._costs(with_heads=heads_to_run)
-        if costs is not None and not self._explore_now():
+        if costs is not None:
             lengths = plan_lengths(self.acceptance.rates(confidence), budgets, self.base_tokens, *costs)
-            self._drafted_since |= any(lengths)
+            self._looked = self.looks.now()
+            if self._looked:
+                lengths = [min(length + 1, budget) for length, budget in zip(lengths, budgets)]
         else:
             lengths = list(budgets)
         if heads_to_run:
@@ -429,19 +488,6 @@ class GoodputPolicy:
             return None
         return step, lambda positions: np.where(positions > 0, heads(positions), 0.0)
 
-    def _schedule_exploration(self) -> None:
-        """Once a step: start a look at the full budget every `explore_after` steps, that
-        interval doubling while drafting stays off between looks."""
-        self._exploring = max(self._exploring - 1, 0)
-        self._since_explored += 1
-        if self._since_explored >= self.explore_after:
-            self.explore_after = (EXPLORE_AFTER if self._drafted_since
-                                  else min(2 * self.explore_after, EXPLORE_AFTER_MAX))
-            self._since_explored, self._exploring, self._drafted_since = 0, EXPLORE_STEPS, False
-
-    def _explore_now(self) -> bool:
-        return self._exploring > 0
-
     def summary(self) -> dict:
         """The policy's models, for the benchmark JSON: the step-time and heads-time tables
         and the calibrated acceptance."""
@@ -452,6 +498,7 @@ class GoodputPolicy:
             "heads_seconds_by_rows_and_positions": self.heads_costs.as_dict(),
             "mean_acceptance_rate_per_position": None if mean is None else [round(float(x), 4) for x in mean],
             "judged_drafts_per_position": self.acceptance.tried.sum(1).astype(int).tolist(),
+            "look_interval_steps": self.looks.interval,
         }
 
 
