@@ -31,6 +31,7 @@ from vllm import _custom_ops as ops
 from vllm.compilation.decorators import support_torch_compile
 from vllm.distributed import get_tp_group
 from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaModel
@@ -95,9 +96,9 @@ class AugmentingBlock(nn.Module):
     shape, then a norm, in two parts. Every scheduled token's KV must be written (later
     drafts attend to it), but drafts start from one row per request: `forward` runs the
     layer up to its attention for every token, which writes their KV, and `finish` runs the
-    rest (output projection, MLP, norms) only at the rows drafts start from, or not at all
-    in a step that drafts nothing. At batch 16 verifying 4 drafts each that is 16 rows of
-    80; for a prefill chunk, one. vLLM compiles `forward` as it compiles the target
+    rest (output projection, MLP, norms) only at the rows drafts start from (at batch 16
+    verifying 4 drafts each, 16 rows of 80; for a prefill chunk, one). A step that drafts
+    nothing writes the KV alone (`write_kv`). vLLM compiles `forward` as it compiles the target
     (torch.compile, split around the attention op, dynamic in the number of tokens) unless
     the engine runs eager; `finish` runs vLLM's ops eagerly on a few rows."""
 
@@ -117,6 +118,19 @@ class AugmentingBlock(nn.Module):
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         q, k = attn.rotary_emb(positions, q, k)
         return attn.attn(q, k, v)
+
+    def write_kv(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> None:
+        """Every token's KV, without attending: a step that drafts nothing needs no outputs.
+        Eager, as `finish`: a few small ops, then the attention backend's own cache write."""
+        attn = self.layer.self_attn
+        if attn.attn.attn_backend.forward_includes_kv_cache_update:  # a backend that writes only while attending
+            self(positions, hidden_states)
+            return
+        qkv, _ = attn.qkv_proj(self.layer.input_layernorm(hidden_states))
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        _, k = attn.rotary_emb(positions, q, k)
+        shape = (-1, attn.attn.num_kv_heads, attn.attn.head_size)
+        unified_kv_cache_update(k.view(shape), v.view(shape), attn.attn.layer_name)
 
     def finish(self, attention: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """Some rows' attention outputs and block inputs -> their h_0 (LlamaDecoderLayer's
@@ -199,11 +213,16 @@ class HeadsDraftModel(nn.Module):
             raise CheckpointError(f"{self.heads_dir / WEIGHTS} left parameters unset: {sorted(missing)[:5]}")
         return loaded
 
-    def write_augmenting_kv(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """Every scheduled token through the augmenting block's attention, drafting or not
-        (prefill chunks too), so its KV cache holds every position later drafts attend to;
-        the attention outputs, for `start_states`. None without a block."""
+    def write_augmenting_kv(self, hidden_states: torch.Tensor, positions: torch.Tensor,
+                            attend: bool = True) -> torch.Tensor | None:
+        """Every scheduled token's KV in the augmenting block's cache, drafting or not
+        (prefill chunks too), so it holds every position later drafts attend to; with
+        `attend`, their attention outputs too, for `start_states`. None without a block or
+        without `attend`."""
         if not self.with_augmenting_block:
+            return None
+        if not attend:
+            self.augment.write_kv(positions, hidden_states)
             return None
         return self.augment(positions, hidden_states)
 
@@ -218,10 +237,10 @@ class HeadsDraftModel(nn.Module):
         return self.augment.finish(attention if rows is None else attention[rows], hidden_states)
 
     def propose(self, batch: DraftBatch) -> list[list[int]]:
-        attention = self.write_augmenting_kv(batch.hidden_states, batch.positions)
+        depth = self.heads.draft_depth(batch.budgets, self.policy) if batch.budgets else 0
+        attention = self.write_augmenting_kv(batch.hidden_states, batch.positions, attend=depth > 0)
         if not batch.budgets:
             return []
-        depth = self.heads.draft_depth(batch.budgets, self.policy)
         if depth == 0:
             drafts = [[] for _ in batch.budgets]
         else:
