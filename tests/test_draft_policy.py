@@ -239,6 +239,25 @@ def test_a_policy_that_stopped_drafting_looks_one_draft_deeper_less_and_less_oft
     assert np.diff(looks).tolist() == [2 * EXPLORE_AFTER, 4 * EXPLORE_AFTER]
 
 
+def test_a_policy_that_drafts_every_step_looks_at_not_drafting_too():
+    """Steps without drafts were slow at first (an engine warming up) and drafting one token
+    per request paid; then a step's cost settles, every token costs more than the last, and
+    not drafting pays. A policy that drafts every step times no step without drafts, so
+    only its looks without drafts can find that out (looks one deeper alone never did)."""
+    steps_run = []
+
+    def settling(n):
+        steps_run.append(n)
+        steady = 0.010 * (n / 4) ** 1.5
+        return 0.05 if n == 4 and len(steps_run) < 100 else steady
+
+    c = Clock()
+    policy = GoodputPolicy(K, clock=c)
+    steps = run_steps(policy, c, 4, settling, steps=1600, accept=1)
+    assert all(s == [1] * 4 for s in steps[60:100])  # drafting paid, and the policy drafted
+    assert sum(map(sum, steps[-150:])) <= 4 * EXPLORE_STEPS  # at most one look's drafts
+
+
 def drive_looks(looks: Looks, steps: int, planned_tokens: int, look_tokens: int) -> list[int]:
     """Steps of one second each, as the policy drives `Looks`: the last step's outcome, then
     the next step. Returns the steps at which looks began."""

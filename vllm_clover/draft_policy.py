@@ -314,15 +314,19 @@ class DraftStats:
 
 
 class Looks:
-    """When the policy looks one draft deeper than it plans, and how often that pays.
+    """When the policy looks past its plan, which way, and how often that pays.
 
-    A policy that stopped drafting (under load) or drafts shallowly would never again see
-    what deeper drafts earn and cost, leaving stale figures in charge; so every `interval`
-    steps, EXPLORE_STEPS steps draft one token more per request than planned (within the
-    budget). One, not the full budget: a request's marginal gains fall with depth and a
-    step's cost per token does not (a roofline), so where one more draft does not pay, none
-    further would. Full-budget looks ran ~80 tokens instead of 16 through SmolLM2's
-    compute-bound target at batch 16: most of what Clover lost there.
+    The policy measures only what it does: one that stopped drafting (under load) or drafts
+    shallowly never again sees what deeper drafts earn and cost, and one that drafts every
+    step never again times a step without drafts (the only ones left are atypical: at batch
+    4 on SmolLM2 they timed ~50% slower than steady ones, so drafting looked free and ran
+    0.89x plain decoding). Stale figures would stay in charge; so every `interval` steps,
+    EXPLORE_STEPS steps try a neighbour of the plan, the two kinds in turn: one token more
+    per request than planned (within the budget), then no drafts at all (one more where the
+    plan drafts nothing already). One more, not the full budget: a request's marginal gains
+    fall with depth and a step's cost per token does not (a roofline), so where one more
+    draft does not pay, none further would. Full-budget looks ran ~80 tokens instead of 16
+    through SmolLM2's compute-bound target at batch 16: most of what Clover lost there.
 
     Whether a look paid is measured, not predicted: its steps' output (tokens sampled plus
     drafts accepted) per second from their draft step to the next, against the planned
@@ -336,6 +340,7 @@ class Looks:
         self.interval = EXPLORE_AFTER
         self._since = 0   # steps since the last look began
         self._left = 0    # steps of the current look still to run
+        self.without_drafts = True  # the current (or last) look's kind: no drafts, or one more
         # The latest planned and look steps: (batch-size bucket, a look's, tokens out, seconds).
         self._steps: deque[tuple[int, bool, int, float]] = deque(maxlen=LOOK_REFERENCE_STEPS)
 
@@ -354,7 +359,7 @@ class Looks:
                 self._judge()
         self._since += 1
         if self._since >= self.interval:
-            self._since, self._left = 0, EXPLORE_STEPS
+            self._since, self._left, self.without_drafts = 0, EXPLORE_STEPS, not self.without_drafts
 
     def _judge(self) -> None:
         looked = [step for step in self._steps if step[1]][-EXPLORE_STEPS:]
@@ -453,9 +458,8 @@ class GoodputPolicy:
         costs = self._costs(with_heads=True)
         if deepest and mean is not None and costs is not None:
             rates = np.broadcast_to(mean[:deepest], (len(budgets), deepest))
-            planned = max(plan_lengths(rates, budgets, self.base_tokens, *costs))
-            self._looked = self.looks.now()
-            deepest = min(planned + 1, deepest) if self._looked else planned
+            self._looked = False
+            deepest = self._look([max(plan_lengths(rates, budgets, self.base_tokens, *costs))], [deepest])[0]
         self._heads_run = deepest
         return deepest
 
@@ -467,16 +471,27 @@ class GoodputPolicy:
         self.acceptance.note_confidence(confidence)
         costs = self._costs(with_heads=heads_to_run)
         if costs is not None:
-            lengths = plan_lengths(self.acceptance.rates(confidence), budgets, self.base_tokens, *costs)
-            self._looked = self.looks.now()
-            if self._looked:
-                lengths = [min(length + 1, budget) for length, budget in zip(lengths, budgets)]
+            lengths = self._look(plan_lengths(self.acceptance.rates(confidence), budgets, self.base_tokens, *costs),
+                                 budgets)
         else:
             lengths = list(budgets)
         if heads_to_run:
             self._heads_run = max(lengths, default=0)
         self._confidence, self._lengths = confidence, np.asarray(lengths)
         return lengths
+
+    def _look(self, plan: list[int], budgets: list[int]) -> list[int]:
+        """`plan`, or in a look the neighbour it tries (`Looks`): no drafts, where the plan
+        drafts and the heads have not run for the look already (Clover decides its depth
+        first); else one more per request."""
+        if not self.looks.now():
+            self._looked = bool(self._looked)
+            return plan
+        decided = self._looked  # True: heads_to_run looked this step (it only ever looked deeper then)
+        self._looked = True
+        if self.looks.without_drafts and any(plan) and not decided:
+            return [0] * len(plan)
+        return [min(length + 1, budget) for length, budget in zip(plan, budgets)]
 
     def _costs(self, with_heads: bool):
         """(step_time, heads_time or None) for this batch, or None while either is unmeasured."""
