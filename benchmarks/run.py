@@ -8,7 +8,8 @@ until the wave ends), warm-up excluded.
         --rounds 3 --out benchmarks/results/results.json
 
 ngram and medusa are vLLM's own proposers (medusa with heads from our trainer, in vLLM's
-format). For every method and batch size results.json holds output tokens/s (the median
+format); ngram-idle is ngram that nearly never finds a match, the cost of a speculative
+engine that drafts nothing. For every method and batch size results.json holds output tokens/s (the median
 round, and every round), the speed-up over vanilla (median of the per-round ratios, with
 their range), requests/s, mean acceptance length (1 + accepted / drafts, vLLM's
 definition, over steps that drafted), tokens per step, acceptance rate per position, the
@@ -43,7 +44,11 @@ REPO = Path(__file__).resolve().parents[1]
 # Baselines without heads, then every way the method table serves heads -> (table entry,
 # drafts trusted): heads vLLM runs itself under their method's name (medusa), our serving
 # names (clover, clp), and the lossy trusted ones last (clp-trust).
-BASELINES = ("vanilla", "ngram")
+BASELINES = ("vanilla", "ngram", "ngram-idle")
+# ngram-idle: vLLM's own speculative engine with a lookup so long that it (nearly) never
+# drafts: what speculation costs in vLLM's code alone on steps that draft nothing, the floor
+# under any proposer's no-draft steps.
+IDLE_LOOKUP = 48
 HEADS_METHODS = {
     **{m.name: (m, False) for m in TABLE if not m.served_by_plugin},
     **{name: entry for name, entry in SERVING_NAMES.items() if not entry[1]},
@@ -63,6 +68,9 @@ def speculative_config(method: str, heads_dir: Path, k: int, heads: dict[str, st
         return None
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    if method == "ngram-idle":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": IDLE_LOOKUP,
+                "prompt_lookup_min": IDLE_LOOKUP}
     if method in FIXED_POLICY_METHODS:
         return {**speculative_config(FIXED_POLICY_METHODS[method], heads_dir, k, heads), "draft_policy": "fixed"}
     entry = HEADS_METHODS[method][0]
