@@ -25,8 +25,9 @@ chance of being right, which is the prior); the step time from the wall time bet
 successive draft steps, per batch size and token count (both in buckets); the heads' time
 per number of rows and positions. A batch size not yet measured borrows the nearest measured
 one's figures (`estimate`); until any is measured the policy drafts the full budget, which
-is also how it measures. Every so often it looks one draft deeper than it plans, to
-re-measure what it no longer drafts (`Looks`: less often while looking does not pay).
+is also how it measures. Every so often it looks past its plan (one draft deeper, or none
+at all), to re-measure what it no longer does (`Looks`: less often while looking does not
+pay).
 
 `fixed` (speculative_config "draft_policy": "fixed") keeps each method's own rule: Clover
 drafts its budget, CLP thresholds its predicted length at tau.
@@ -53,9 +54,9 @@ CALIBRATION_MIN_DRAFTS = 20
 SAMPLES_PER_BUCKET = 16   # a cost bucket's estimate: the median of its latest samples,
 MIN_SAMPLES = 3           # once it has this many
 BUCKETS_PER_OCTAVE = 2
-# Every EXPLORE_AFTER steps (at first), EXPLORE_STEPS steps draft one token more per request
-# than planned (`Looks`). Several in a row, because the first drafting step after a pause
-# runs on cold caches and costs more than drafting does in steady state.
+# Every EXPLORE_AFTER steps (at first), EXPLORE_STEPS steps try a neighbour of the plan
+# (`Looks`). Several in a row, because the first drafting step after a pause runs on cold
+# caches and costs more than drafting does in steady state.
 EXPLORE_AFTER = 200
 EXPLORE_AFTER_MAX = 3200
 EXPLORE_STEPS = 4
