@@ -12,8 +12,8 @@ format); ngram-idle is ngram that nearly never finds a match, the cost of a spec
 engine that drafts nothing. For every method and batch size results.json holds output
 tokens/s (the median round, and every round), the speed-up over vanilla (median of the
 per-round ratios, with their range), requests/s, mean acceptance length (1 + accepted /
-drafts, vLLM's definition, over steps that drafted), tokens per step, acceptance rate per position, the
-draft step's share of engine step time, seconds per step by part (`--profile` splits the
+drafts, vLLM's definition, over steps that drafted), tokens per step, acceptance rate per
+position, the draft step's share of engine step time, seconds per step by part (`--profile` splits the
 target forward, sampling and our draft step's parts), and token mismatches against
 vanilla's outputs per prompt (0 everywhere = identical).
 """

@@ -453,13 +453,12 @@ class GoodputPolicy:
         """Before any head runs (Clover): how many positions are worth drafting for an average
         request of this batch; 0 skips the heads. Until the policy has measured the heads'
         confidence, their time and the step time at this batch size, the full budget; in a
-        look, one more than planned."""
+        look, one more than planned or none (`_look`)."""
         deepest, self._rows = max(budgets, default=0), len(budgets)
         mean = self.acceptance.mean_rates()
         costs = self._costs(with_heads=True)
         if deepest and mean is not None and costs is not None:
             rates = np.broadcast_to(mean[:deepest], (len(budgets), deepest))
-            self._looked = False
             deepest = self._look([max(plan_lengths(rates, budgets, self.base_tokens, *costs))], [deepest])[0]
         self._heads_run = deepest
         return deepest
@@ -486,7 +485,7 @@ class GoodputPolicy:
         drafts and the heads have not run for the look already (Clover decides its depth
         first); else one more per request."""
         if not self.looks.now():
-            self._looked = bool(self._looked)
+            self._looked = False
             return plan
         decided = self._looked  # True: heads_to_run looked this step (it only ever looked deeper then)
         self._looked = True

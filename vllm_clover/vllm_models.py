@@ -98,9 +98,9 @@ class AugmentingBlock(nn.Module):
     layer up to its attention for every token, which writes their KV, and `finish` runs the
     rest (output projection, MLP, norms) only at the rows drafts start from (at batch 16
     verifying 4 drafts each, 16 rows of 80; for a prefill chunk, one). A step that drafts
-    nothing writes the KV alone (`write_kv`). vLLM compiles `forward` as it compiles the target
-    (torch.compile, split around the attention op, dynamic in the number of tokens) unless
-    the engine runs eager; `finish` runs vLLM's ops eagerly on a few rows."""
+    nothing writes the KV alone (`write_kv`). vLLM compiles `forward` as it compiles the
+    target (torch.compile, split around the attention op, dynamic in the number of tokens)
+    unless the engine runs eager; `finish` and `write_kv` run vLLM's ops eagerly."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()
@@ -113,11 +113,15 @@ class AugmentingBlock(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """Every token -> its attention output before the output projection; writes its KV."""
+        return self.layer.self_attn.attn(*self.rotated_qkv(positions, hidden_states))
+
+    def rotated_qkv(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The layer's input norm, q/k/v projection and rotary embedding: (q, k, v)."""
         attn = self.layer.self_attn
         qkv, _ = attn.qkv_proj(self.layer.input_layernorm(hidden_states))
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         q, k = attn.rotary_emb(positions, q, k)
-        return attn.attn(q, k, v)
+        return q, k, v
 
     def write_kv(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> None:
         """Every token's KV, without attending: a step that drafts nothing needs no outputs.
@@ -126,9 +130,7 @@ class AugmentingBlock(nn.Module):
         if attn.attn.attn_backend.forward_includes_kv_cache_update:  # a backend that writes only while attending
             self(positions, hidden_states)
             return
-        qkv, _ = attn.qkv_proj(self.layer.input_layernorm(hidden_states))
-        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        _, k = attn.rotary_emb(positions, q, k)
+        _, k, v = self.rotated_qkv(positions, hidden_states)
         shape = (-1, attn.attn.num_kv_heads, attn.attn.head_size)
         unified_kv_cache_update(k.view(shape), v.view(shape), attn.attn.layer_name)
 
