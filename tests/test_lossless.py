@@ -5,14 +5,19 @@ One engine per method, all with the same settings: prompts longer than
 holds ~35 typical requests but not 48 long ones growing by 256 tokens (preemption, then
 recompute). Greedy outputs must equal the same engine's without speculation, token for
 token, for every prompt: all 200 held-out prompts submitted at once and one request at a
-time, prompts sharing a long cached prefix, and the preempted long requests.
+time, prompts sharing a long cached prefix, and the preempted long requests; and with the
+sampling features that take their own paths through vLLM's samplers (logprobs, penalties,
+structured outputs), in steps with and without drafts.
 """
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from vllm import SamplingParams
+from vllm.sampling_params import StructuredOutputsParams
 
 from benchmarks.run import HEADS_METHODS
 from conftest import SERVED_LOSSLESS, counter, make_llm, shutdown, speculative
@@ -33,6 +38,13 @@ ENGINE = dict(
 PREEMPTED = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 SERIAL = SamplingParams(temperature=0, max_tokens=SERIAL_TOKENS, ignore_eos=True)
+FEATURE_PROMPTS = 24
+LOGPROBS = SamplingParams(temperature=0, max_tokens=16, logprobs=5, ignore_eos=True)
+PENALISED = SamplingParams(temperature=0, max_tokens=32, repetition_penalty=1.3, presence_penalty=0.5,
+                           ignore_eos=True)
+THREE_ASSIGNMENTS = r"(    [a-z_]{1,12} = [0-9]{1,3}\n){3}"
+STRUCTURED = SamplingParams(temperature=0, max_tokens=80,  # room for the longest match
+                            structured_outputs=StructuredOutputsParams(regex=THREE_ASSIGNMENTS))
 # Temperature test: the tokens sampled after the first one went through rejection sampling.
 HOT, COLD, NUM_SAMPLES = 0.8, 0.6, 1500
 
@@ -64,6 +76,10 @@ def run_all(llm, prompts, shared_prefix_prompts) -> dict:
     long_requests = llm.generate(sorted(prompts, key=len)[-48:], PREEMPTED, use_tqdm=False)
     preemptions = counter(llm, "vllm:num_preemptions") - preemptions
     first = "def main():\n    "
+    features = prompts[:FEATURE_PROMPTS]
+    logprobs = llm.generate(features, LOGPROBS, use_tqdm=False)
+    penalised = llm.generate(features, PENALISED, use_tqdm=False)
+    structured = llm.generate(features, STRUCTURED, use_tqdm=False)
     seeded = [SamplingParams(temperature=HOT, max_tokens=3, seed=i) for i in range(NUM_SAMPLES)]
     samples = llm.generate([first] * NUM_SAMPLES, seeded, use_tqdm=False)
     return {
@@ -72,6 +88,11 @@ def run_all(llm, prompts, shared_prefix_prompts) -> dict:
         "prefixed": token_ids(prefixed),
         "preempted": token_ids(long_requests),
         "samples": token_ids(samples),
+        "logprobs": token_ids(logprobs),
+        "top_logprobs": [[{t: p.logprob for t, p in step.items()} for step in o.outputs[0].logprobs]
+                         for o in logprobs],
+        "penalised": token_ids(penalised),
+        "structured": [o.outputs[0].text for o in structured],
         "spec": counters_since(before, after),
         "preemptions": preemptions,
         "longest_prompt": max(len(o.prompt_token_ids) for o in concurrent),
@@ -131,6 +152,22 @@ def test_shared_prefix_from_the_prefix_cache_equals_plain_decoding(plain, specul
 def test_preempted_long_requests_equal_plain_decoding(plain, speculated):
     _, result = speculated
     assert mismatched(result["preempted"], plain["preempted"]) == []
+
+
+def test_logprobs_equal_plain_decoding(plain, speculated):
+    _, result = speculated
+    assert mismatched(result["logprobs"], plain["logprobs"]) == []
+    for ours, theirs in zip(result["top_logprobs"], plain["top_logprobs"], strict=True):
+        for step, plain_step in zip(ours, theirs, strict=True):
+            assert step.keys() == plain_step.keys()
+            assert [step[t] for t in step] == pytest.approx([plain_step[t] for t in step], abs=1e-5)
+
+
+def test_penalties_and_structured_outputs_equal_plain_decoding(plain, speculated):
+    _, result = speculated
+    assert mismatched(result["penalised"], plain["penalised"]) == []
+    assert result["structured"] == plain["structured"]
+    assert all(re.fullmatch(THREE_ASSIGNMENTS, text) for text in plain["structured"])  # it was enforced
 
 
 # First-draft acceptance floors on these prompts: Clover's is accepted more often than not; the

@@ -283,3 +283,32 @@ def test_drafts_reach_the_scheduler_with_the_sampled_tokens():
     update_from_output(core.scheduler, None, shared)  # an output without drafts: vLLM's RPC
     post_step(core, True)
     assert core.scheduler.updates == [[[5, 6], []]] and rpcs == [True]
+
+
+def test_steps_without_drafts_sample_like_plain_decoding():
+    """Our runners sample a step in which no request has a draft with vLLM's plain sampler
+    (no spec-decode metadata), as an engine without speculation would; steps with drafts,
+    other runners and requests under a thinking budget keep the rejection sampler."""
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from vllm_clover.vllm_models import HeadsDraftModel
+
+    sample = {p.name: p.wrap for p in PATCHES}["plain_sampling_without_drafts"](
+        lambda runner, logits, spec_decode_metadata: spec_decode_metadata)
+    no_budget = SimpleNamespace(thinking_budget_state_holder=None)
+    budget = SimpleNamespace(thinking_budget_state_holder=SimpleNamespace(has_tracked_requests=lambda: True))
+
+    def runner(model, sampling_metadata=no_budget):
+        return SimpleNamespace(drafter=SimpleNamespace(model=model),
+                               input_batch=SimpleNamespace(sampling_metadata=sampling_metadata))
+
+    ours = HeadsDraftModel.__new__(HeadsDraftModel)
+    no_drafts = SpecDecodeMetadata.make_dummy([[], []], device=torch.device("cpu"))
+    drafts = SpecDecodeMetadata.make_dummy([[5, 6], []], device=torch.device("cpu"))
+    assert sample(runner(ours), None, no_drafts) is None
+    assert sample(runner(ours), None, drafts) is drafts
+    assert sample(runner(object()), None, no_drafts) is no_drafts  # vLLM's own drafters
+    assert sample(runner(ours, budget), None, no_drafts) is no_drafts
+    assert sample(runner(ours), None, None) is None  # a step vLLM already samples plainly
