@@ -9,7 +9,8 @@ until the wave ends), warm-up excluded.
 
 ngram and medusa are vLLM's own proposers (medusa with heads from our trainer, in vLLM's
 format); ngram-idle is ngram that nearly never finds a match, the cost of a speculative
-engine that drafts nothing. For every method and batch size results.json holds output
+engine that drafts nothing; vanilla-2 is a second plain engine, the spread between two
+identical engines. For every method and batch size results.json holds output
 tokens/s (the median round, and every round), the speed-up over vanilla (median of the
 per-round ratios, with their range), requests/s, mean acceptance length (1 + accepted /
 drafts, vLLM's definition, over steps that drafted), tokens per step, acceptance rate per
@@ -44,7 +45,11 @@ REPO = Path(__file__).resolve().parents[1]
 # Baselines without heads, then every way the method table serves heads -> (table entry,
 # drafts trusted): heads vLLM runs itself under their method's name (medusa), our serving
 # names (clover, clp), and the lossy trusted ones last (clp-trust).
-BASELINES = ("vanilla", "ngram", "ngram-idle")
+BASELINES = ("vanilla", "vanilla-2", "ngram", "ngram-idle")
+# vanilla-2: a second plain engine, measured against the first like any method. Two identical
+# engines are not equally fast: on SmolLM2 at batch 64 their target forward differed by up to
+# ~5% for the engine's whole life (memory placement), so a method's speed-up carries that
+# spread, which rounds within one run do not show.
 # ngram-idle: vLLM's own speculative engine with a lookup so long that it (nearly) never
 # drafts: what speculation costs in vLLM's code alone on steps that draft nothing, the floor
 # under any proposer's no-draft steps.
@@ -64,7 +69,7 @@ BENCHMARK_METHODS = (*BASELINES, *HEADS_METHODS, *FIXED_POLICY_METHODS)
 def speculative_config(method: str, heads_dir: Path, k: int, heads: dict[str, str] | None = None) -> dict | None:
     """The speculative_config of a benchmark method; heads come from heads_dir/<table method>/,
     or from `heads` (table method -> a directory or a Hub id) where it names the method."""
-    if method == "vanilla":
+    if method in ("vanilla", "vanilla-2"):
         return None
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}

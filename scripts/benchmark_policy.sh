@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Draft-length policies side by side (issue: speculation that never costs): vanilla, and
 # Clover and CLP with the goodput policy (default) and the fixed one, batch 1 to 64 (and 128 on
-# the demo base), every engine loaded at once and measured in interleaved rounds. Run with
+# the demo base), every engine loaded at once and measured in interleaved rounds; a second
+# plain engine, loaded last, shows how far two identical engines differ. Run with
 # nothing else on the machine:
 #   scripts/benchmark_policy.sh demo      # demo base, compiled engines, held-out prompts
 #   scripts/benchmark_policy.sh smollm2   # SmolLM2-135M-Instruct, eager engines, Spec-Bench
@@ -12,7 +13,7 @@ PY=.venv/bin/python
 TARGET=${1:?demo or smollm2}
 OUT=benchmarks/results/policy
 mkdir -p "$OUT"
-COMMON=(--methods vanilla,clover,clover-fixed,clp,clp-fixed --max-tokens 64 --out "$OUT/$TARGET.json")
+COMMON=(--methods vanilla,clover,clover-fixed,clp,clp-fixed,vanilla-2 --max-tokens 64 --out "$OUT/$TARGET.json")
 case "$TARGET" in
 demo)
     $PY -m benchmarks.run "${COMMON[@]}" --batch-sizes 1,4,16,64,128 --prompts heldout --num-prompts 16,32,64,128,256 \

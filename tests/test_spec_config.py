@@ -227,6 +227,17 @@ def test_cpu_expansion_keeps_float_values():
     assert expanded.tolist() == pytest.approx([0.8, 0.8, 1.3, 1.3, 1.3])
 
 
+def test_cpu_top_k_filters_nothing_when_no_row_is_verified():
+    from vllm_clover.patches import CPU_WORKER_PATCHES
+
+    calls = []
+    top_k = CPU_WORKER_PATCHES[1].wrap(lambda logits, k: calls.append(k) or logits[:, :1])
+    no_rows = torch.zeros(0, 7)
+    assert top_k(no_rows, torch.zeros(0, dtype=torch.long)) is no_rows and calls == []
+    rows = torch.randn(2, 7)
+    assert top_k(rows, torch.tensor([3, 3])).shape == (2, 1) and len(calls) == 1
+
+
 def test_trust_mode_makes_each_draft_the_only_choice():
     logits = torch.randn(5, 7)
     rows, drafts = torch.tensor([0, 1, 3]), torch.tensor([6, 2, 4])
