@@ -48,8 +48,8 @@ REPO = Path(__file__).resolve().parents[1]
 BASELINES = ("vanilla", "vanilla-2", "ngram", "ngram-idle")
 # vanilla-2: a second plain engine, measured against the first like any method. Two identical
 # engines are not equally fast: on SmolLM2 at batch 64 their target forward differed by up to
-# ~5% for the engine's whole life (memory placement), so a method's speed-up carries that
-# spread, which rounds within one run do not show.
+# ~5% for the engine's whole life (cause not established; where its memory lies is the likely
+# one), so a method's speed-up carries that spread, which rounds within one run do not show.
 # ngram-idle: vLLM's own speculative engine with a lookup so long that it (nearly) never
 # drafts: what speculation costs in vLLM's code alone on steps that draft nothing, the floor
 # under any proposer's no-draft steps.

@@ -54,7 +54,7 @@ the last two in a CPU worker that drafts with one of our models, before its firs
       step while the goodput policy drafts nothing, i.e. under load). Those steps pay for
       nothing they use: the sampler keeps a float32 copy of every row's logits for
       logprobs (`max_num_logprobs=-1`) and runs the verification kernels on zero drafts:
-      2 ms a step at batch 64 on SmolLM2 (vocabulary 49,152) against 0.6 ms for vLLM's
+      2.5 ms a step at batch 64 on SmolLM2 (vocabulary 49,152) against 0.6 ms for vLLM's
       plain sampler. For runners drafting with our models, sample such a step with the
       plain sampler, as an engine without speculation would: same logits rows (one per
       request), same processors and penalties (no request carries draft tokens), same
