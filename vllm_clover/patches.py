@@ -187,15 +187,24 @@ def _speculative_method_names(original):
     return create_speculative_config
 
 
+def _heads_model(runner):
+    """The runner's draft model if it is one of ours (HeadsDraftModel), else None: every
+    runner-side patch does its work only then. Imported here, not at module level, so that
+    loading the plugin does not import vLLM's model code."""
+    from vllm_clover.vllm_models import HeadsDraftModel
+
+    model = getattr(getattr(runner, "drafter", None), "model", None)
+    return model if isinstance(model, HeadsDraftModel) else None
+
+
 def _draft_with_clover_heads(original):
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata,
                                 common_attn_metadata, slot_mappings):
         from vllm_clover import proposer
-        from vllm_clover.vllm_models import HeadsDraftModel
 
-        model = getattr(getattr(self, "drafter", None), "model", None)
-        if not isinstance(model, HeadsDraftModel):
+        model = _heads_model(self)
+        if model is None:
             return original(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                             sample_hidden_states, aux_hidden_states, spec_decode_metadata,
                             common_attn_metadata, slot_mappings)
@@ -225,9 +234,7 @@ def _prepare_runner(runner, model) -> None:
 
 def _draft_near_max_model_len(original):
     def _input_fits_in_drafter(self, common_attn_metadata):
-        from vllm_clover.vllm_models import HeadsDraftModel
-
-        if isinstance(getattr(getattr(self, "drafter", None), "model", None), HeadsDraftModel):
+        if _heads_model(self) is not None:
             return common_attn_metadata is not None
         return original(self, common_attn_metadata)
 
@@ -236,10 +243,8 @@ def _draft_near_max_model_len(original):
 
 def _warm_up_draft_model(original):
     def profile_run(self, randomize_inputs=False):
-        from vllm_clover.vllm_models import HeadsDraftModel
-
         original(self, randomize_inputs)
-        if isinstance(getattr(getattr(self, "drafter", None), "model", None), HeadsDraftModel):
+        if _heads_model(self) is not None:
             self.drafter.dummy_run(self.max_num_tokens)
 
     return profile_run
@@ -249,10 +254,8 @@ def _drafts_with_sampled_tokens(original):
     def sample_tokens(self, grammar_output):
         from vllm.v1.outputs import ModelRunnerOutput
 
-        from vllm_clover.vllm_models import HeadsDraftModel
-
-        model = getattr(getattr(self, "drafter", None), "model", None)
-        if not isinstance(model, HeadsDraftModel):
+        model = _heads_model(self)
+        if model is None:
             return original(self, grammar_output)
         _prepare_runner(self, model)
         output = original(self, grammar_output)
@@ -308,10 +311,8 @@ def point_mass_on_drafts(logits, draft_rows, draft_token_ids):
 
 def _plain_sampling_without_drafts(original):
     def _sample(self, logits, spec_decode_metadata):
-        from vllm_clover.vllm_models import HeadsDraftModel
-
         if (spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0
-                and isinstance(getattr(getattr(self, "drafter", None), "model", None), HeadsDraftModel)
+                and _heads_model(self) is not None
                 and not _thinking_budget_in_use(self.input_batch.sampling_metadata)):
             spec_decode_metadata = None
         return original(self, logits, spec_decode_metadata)
@@ -352,10 +353,8 @@ def _cpu_top_k_without_drafts(original):
 
 def _cpu_seeded_prefill_chunks(original):
     def sample_tokens(self, grammar_output):
-        from vllm_clover.vllm_models import HeadsDraftModel
-
         generators = self.input_batch.generators
-        if not generators or not isinstance(getattr(getattr(self, "drafter", None), "model", None), HeadsDraftModel):
+        if not generators or _heads_model(self) is None:
             return original(self, grammar_output)
         discarded = np.flatnonzero(self.discard_request_mask.np[: self.input_batch.num_reqs]).tolist()
         held = {i: generators.pop(i) for i in discarded if i in generators and generators[i].device.type == "cpu"}
