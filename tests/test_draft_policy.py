@@ -153,6 +153,20 @@ def test_a_growing_queue_does_not_draft_at_each_new_batch_size():
         assert all(sum(s) == 0 for s in run_steps(policy, c, batch, step_time, steps=4))
 
 
+def test_far_from_the_batch_sizes_measured_each_next_draft_is_measured_before_it_is_priced():
+    """After a warm-up at batch 128 (compute-bound: every token costs in proportion), batch 1
+    on a target that reads its weights in the same time up to 8 tokens: priced per request
+    from batch 128, a draft costs as much as a decode, and scheduled looks come too rarely to
+    find out otherwise. The policy looks one draft deeper at once wherever no batch size
+    near this one has measured it, and climbs as far as drafting pays: the whole budget."""
+    c = Clock()
+    policy = GoodputPolicy(K, clock=c)
+    step_time = roofline(memory_bound_tokens=8, seconds=0.010)
+    assert sum(run_steps(policy, c, 128, step_time, steps=30, accept=K)[-1]) == 0
+    steps = run_steps(policy, c, 1, step_time, steps=60, accept=K)
+    assert steps[-10:] == [[K]] * 10
+
+
 def test_non_decreasing_pools_violators_by_weight():
     assert non_decreasing(np.array([1.0, 5.0, 3.0, 6.0]), [1, 1, 3, 1]).tolist() == [1.0, 3.5, 3.5, 6.0]
     assert non_decreasing(np.array([2.0, 1.0]), [1, 1]).tolist() == [1.5, 1.5]
@@ -341,6 +355,7 @@ def test_heads_follow_the_policy():
     assert [len(d) for d in clover.propose(h, first, lm_head, [4, 2, 0], policy)] == [4, 2, 0]
     for _ in range(3):  # heads that cost as much as a step, drafting tokens it rarely gets right
         policy.step_costs.observe(3, 3, 0.01)
+        policy.step_costs.observe(3, 6, 0.02)  # one draft deeper measured too: no look to take
         policy.heads_costs.observe(3, 1, 0.01)
     policy.acceptance.note_confidence(np.full((1, K), 0.05))
     assert clover.draft_depth([4, 4, 4], policy) == 0

@@ -27,7 +27,8 @@ per number of rows and positions. A batch size not yet measured borrows the near
 one's figures (`estimate`); until any is measured the policy drafts the full budget, which
 is also how it measures. Every so often it looks past its plan (one draft deeper, or none
 at all), to re-measure what it no longer does (`Looks`: less often while looking does not
-pay).
+pay), and at once where one draft deeper has not been measured at a batch size near this
+one (`_measure_deeper`).
 
 `fixed` (speculative_config "draft_policy": "fixed") keeps each method's own rule: Clover
 drafts its budget, CLP thresholds its predicted length at tau.
@@ -60,6 +61,9 @@ BUCKETS_PER_OCTAVE = 2
 EXPLORE_AFTER = 200
 EXPLORE_AFTER_MAX = 3200
 EXPLORE_STEPS = 4
+# A step's cost per request read from a batch size this near is trusted; from further (batch 1
+# from 128) it is measured (`GoodputPolicy._measure_deeper`).
+NEAR_OCTAVES = 2
 LOOK_REFERENCE_STEPS = 64  # the latest steps a look is judged against (its own among them)
 
 
@@ -210,6 +214,17 @@ class CostsByBatch:
         self.models.setdefault(b, CostModel()).observe(n, seconds)
         self.batch_sizes.setdefault(b, deque(maxlen=SAMPLES_PER_BUCKET)).append(requests)
 
+    def knows(self, requests: int, n: int) -> bool:
+        """Whether size n has an estimate measured at a batch size within NEAR_OCTAVES of this
+        one (read per request, as `scaled` reads it)."""
+        wanted = bucket(requests)
+        for b, model in self.models.items():
+            if abs(b - wanted) <= NEAR_OCTAVES * BUCKETS_PER_OCTAVE:
+                size = n * statistics.median(self.batch_sizes[b]) / requests if self.sizes_per_batch else n
+                if len(model.samples.get(bucket(round(size)), ())) >= MIN_SAMPLES:
+                    return True
+        return False
+
     def measured(self) -> dict[int, CostModel]:
         """Batch-size bucket -> its model, for buckets with an estimate (MIN_SAMPLES)."""
         return {b: m for b, m in self.models.items() if m.knows()}
@@ -351,6 +366,10 @@ class Looks:
     def step_done(self, requests: int, looked: bool, tokens_out: int, seconds: float) -> None:
         self._steps.append((bucket(requests), looked, tokens_out, seconds))
 
+    def start_deeper(self) -> None:
+        """Begin a look one draft deeper now, whatever the interval (`GoodputPolicy._measure_deeper`)."""
+        self._since, self._left, self.without_drafts = 0, EXPLORE_STEPS, False
+
     def next_step(self) -> None:
         """Once a step, after the last step's outcome is in: judge a look that just ended,
         start the next one when due."""
@@ -394,6 +413,8 @@ class GoodputPolicy:
         self._running: set[str] = set()  # the requests of the last step
         self.looks = Looks()
         self._looked: bool | None = None  # this step's lengths: a look's (True), planned (False), neither (None)
+        # (table, batch bucket, size bucket): each a look was begun for (`_measure_deeper`)
+        self._deeper_measured: set[tuple[str, int, int]] = set()
         self._last_step_start: float | None = None
         self._heads_seconds = 0.0
         self._heads_run = 0
@@ -459,7 +480,9 @@ class GoodputPolicy:
         costs = self._costs(with_heads=True)
         if deepest and mean is not None and costs is not None:
             rates = np.broadcast_to(mean[:deepest], (len(budgets), deepest))
-            deepest = self._look([max(plan_lengths(rates, budgets, self.base_tokens, *costs))], [deepest])[0]
+            plan = plan_lengths(rates, budgets, self.base_tokens, *costs)
+            self._measure_deeper(plan, budgets, with_heads=True)
+            deepest = self._look([max(plan)], [deepest])[0]
         self._heads_run = deepest
         return deepest
 
@@ -471,8 +494,9 @@ class GoodputPolicy:
         self.acceptance.note_confidence(confidence)
         costs = self._costs(with_heads=heads_to_run)
         if costs is not None:
-            lengths = self._look(plan_lengths(self.acceptance.rates(confidence), budgets, self.base_tokens, *costs),
-                                 budgets)
+            plan = plan_lengths(self.acceptance.rates(confidence), budgets, self.base_tokens, *costs)
+            self._measure_deeper(plan, budgets, with_heads=heads_to_run)
+            lengths = self._look(plan, budgets)
         else:
             lengths = list(budgets)
         if heads_to_run:
@@ -492,6 +516,30 @@ class GoodputPolicy:
         if self.looks.without_drafts and any(plan) and not decided:
             return [0] * len(plan)
         return [min(length + 1, budget) for length, budget in zip(plan, budgets)]
+
+    def _measure_deeper(self, plan: list[int], budgets: list[int], with_heads: bool) -> None:
+        """Begin a look one draft deeper now if no batch size near this one has measured the
+        step it would run (or the heads at its depth), once for each such size. Unmeasured, it is
+        priced from another batch size's tables (`estimate`), and from a far one that can be
+        badly wrong: after a warm-up at batch 128 (compute-bound: every token and position
+        costs in proportion) the demo base at batch 1 planned one Clover draft a step, as if
+        each deeper position doubled the heads' time, and a scheduled look came too rarely
+        to learn better in the ~2,000 steps it ran there (0.71x plain decoding; drafting the
+        full budget ran 0.94x). Measured one deeper at a time, the plan climbs only as far as
+        each next draft pays."""
+        if self.looks.now():
+            return
+        deeper = [min(length + 1, budget) for length, budget in zip(plan, budgets)]
+        if deeper == list(plan):
+            return
+        sizes = [("step", self.step_costs, self.base_tokens, self.base_tokens + sum(deeper))]
+        if with_heads:
+            sizes.append(("heads", self.heads_costs, self._rows, max(deeper)))
+        unmeasured = {(name, bucket(requests), bucket(n)) for name, table, requests, n in sizes
+                      if not table.knows(requests, n)} - self._deeper_measured
+        if unmeasured:
+            self._deeper_measured |= unmeasured
+            self.looks.start_deeper()
 
     def _costs(self, with_heads: bool):
         """(step_time, heads_time or None) for this batch, or None while either is unmeasured."""
