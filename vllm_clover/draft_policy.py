@@ -65,6 +65,11 @@ EXPLORE_STEPS = 4
 # from 128) it is measured (`GoodputPolicy._measure_deeper`).
 NEAR_OCTAVES = 2
 LOOK_REFERENCE_STEPS = 64  # the latest steps a look is judged against (its own among them)
+# The cost functions a plan reads are rebuilt this often, and at once for another batch size
+# or a size newly measured: building them reads every table (~40 us a step in Python with a
+# few batch sizes measured; a plain step on the demo base at batch 1 is 1.4-2.7 ms), and
+# medians of 16 samples move slowly.
+COSTS_REFRESH_STEPS = 16
 
 
 def check_policy(name: object) -> str:
@@ -208,11 +213,14 @@ class CostsByBatch:
         self.models: dict[int, CostModel] = {}
         self.batch_sizes: dict[int, deque[int]] = {}   # bucket -> its latest batch sizes
         self.sizes_per_batch = sizes_per_batch
+        self.sizes_known = 0  # (batch, size) buckets with an estimate: grows as the tables do
 
     def observe(self, requests: int, n: int, seconds: float) -> None:
         b = bucket(requests)
-        self.models.setdefault(b, CostModel()).observe(n, seconds)
+        model = self.models.setdefault(b, CostModel())
+        model.observe(n, seconds)
         self.batch_sizes.setdefault(b, deque(maxlen=SAMPLES_PER_BUCKET)).append(requests)
+        self.sizes_known += len(model.samples[bucket(n)]) == MIN_SAMPLES
 
     def knows(self, requests: int, n: int) -> bool:
         """Whether size n has an estimate measured at a batch size within NEAR_OCTAVES of this
@@ -413,9 +421,12 @@ class GoodputPolicy:
         self._running: set[str] = set()  # the requests of the last step
         self.looks = Looks()
         self._looked: bool | None = None  # this step's lengths: a look's (True), planned (False), neither (None)
-        # (table, batch bucket, size bucket): each a look was begun for (`_measure_deeper`)
+        # (table, batch bucket, size bucket): each found measured, or a look was begun for (`_measure_deeper`)
         self._deeper_measured: set[tuple[str, int, int]] = set()
         self._last_step_start: float | None = None
+        self._steps = 0
+        # with heads or not -> (step built, (tokens, rows, sizes known) built for, the cost functions)
+        self._built_costs: dict[bool, tuple[int, tuple[int, int, int], tuple]] = {}
         self._heads_seconds = 0.0
         self._heads_run = 0
         self._rows = 0
@@ -450,6 +461,7 @@ class GoodputPolicy:
             if self._looked is not None:
                 self.looks.step_done(len(req_ids), self._looked, len(accepted) + sum(accepted.values()), seconds)
         self.looks.next_step()
+        self._steps += 1
         self._last_step_start, self._heads_seconds, self._heads_run, self._looked = now, 0.0, 0, None
         self._running = set(req_ids)
         self.base_tokens = max(len(accepted), 1)
@@ -535,14 +547,29 @@ class GoodputPolicy:
         sizes = [("step", self.step_costs, self.base_tokens, self.base_tokens + sum(deeper))]
         if with_heads:
             sizes.append(("heads", self.heads_costs, self._rows, max(deeper)))
-        unmeasured = {(name, bucket(requests), bucket(n)) for name, table, requests, n in sizes
-                      if not table.knows(requests, n)} - self._deeper_measured
+        unmeasured = False
+        for name, table, requests, n in sizes:
+            key = (name, bucket(requests), bucket(n))
+            if key not in self._deeper_measured:
+                self._deeper_measured.add(key)  # a size measured stays so (tables only grow)
+                unmeasured |= not table.knows(requests, n)
         if unmeasured:
-            self._deeper_measured |= unmeasured
             self.looks.start_deeper()
 
     def _costs(self, with_heads: bool):
-        """(step_time, heads_time or None) for this batch, or None while either is unmeasured."""
+        """(step_time, heads_time or None) for this batch, or None while either is unmeasured;
+        rebuilt every COSTS_REFRESH_STEPS steps, for another batch size or a size newly measured."""
+        tables = (self.step_costs, self.prefill_step_costs, self.heads_costs)
+        built_for = (self.base_tokens, self._rows if with_heads else 0, sum(t.sizes_known for t in tables))
+        built = self._built_costs.get(with_heads)
+        if built is None or built[1] != built_for or self._steps - built[0] >= COSTS_REFRESH_STEPS:
+            costs = self._build_costs(with_heads)
+            if costs is None:
+                return None
+            built = self._built_costs[with_heads] = (self._steps, built_for, costs)
+        return built[2]
+
+    def _build_costs(self, with_heads: bool):
         step = estimate(self.base_tokens, [self.step_costs, self.prefill_step_costs])
         if not with_heads:
             return None if step is None else (step, None)
