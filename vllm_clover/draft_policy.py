@@ -228,7 +228,7 @@ class CostsByBatch:
         wanted = bucket(requests)
         for b, model in self.models.items():
             if abs(b - wanted) <= NEAR_OCTAVES * BUCKETS_PER_OCTAVE:
-                size = n * statistics.median(self.batch_sizes[b]) / requests if self.sizes_per_batch else n
+                size = n / self._ratio(b, requests) if self.sizes_per_batch else n
                 if len(model.samples.get(bucket(round(size)), ())) >= MIN_SAMPLES:
                     return True
         return False
@@ -241,11 +241,15 @@ class CostsByBatch:
         """A measured bucket's model read for a batch of `requests` as if every request cost
         what one of that bucket's did (per request the same sizes and seconds), and the
         largest size it has measured, in the batch's own sizes."""
-        model, ratio = self.models[measured_bucket], requests / statistics.median(self.batch_sizes[measured_bucket])
+        model, ratio = self.models[measured_bucket], self._ratio(measured_bucket, requests)
         largest = model.table()[0][-1]
         if self.sizes_per_batch:
             return (lambda n: model.predict(np.asarray(n) / ratio) * ratio), largest * ratio
         return (lambda n: model.predict(n) * ratio), largest
+
+    def _ratio(self, measured_bucket: int, requests: int) -> float:
+        """How many of a measured bucket's requests a batch of `requests` is."""
+        return requests / statistics.median(self.batch_sizes[measured_bucket])
 
     def as_dict(self) -> dict[str, dict[str, float]]:
         return {f"{2 ** (b / BUCKETS_PER_OCTAVE):.0f}": m.as_dict() for b, m in sorted(self.measured().items())}
@@ -400,6 +404,11 @@ class Looks:
                 self.interval = min(2 * self.interval, EXPLORE_AFTER_MAX)
 
 
+def one_deeper(plan: list[int], budgets: list[int]) -> list[int]:
+    """One draft more per request than `plan`, within its budget."""
+    return [min(length + 1, budget) for length, budget in zip(plan, budgets)]
+
+
 def tokens_per_second(steps: list[tuple[int, bool, int, float]]) -> float:
     return sum(step[2] for step in steps) / max(sum(step[3] for step in steps), 1e-9)
 
@@ -527,7 +536,7 @@ class GoodputPolicy:
         self._looked = True
         if self.looks.without_drafts and any(plan) and not decided:
             return [0] * len(plan)
-        return [min(length + 1, budget) for length, budget in zip(plan, budgets)]
+        return one_deeper(plan, budgets)
 
     def _measure_deeper(self, plan: list[int], budgets: list[int], with_heads: bool) -> None:
         """Begin a look one draft deeper now if no batch size near this one has measured the
@@ -541,8 +550,8 @@ class GoodputPolicy:
         each next draft pays."""
         if self.looks.now():
             return
-        deeper = [min(length + 1, budget) for length, budget in zip(plan, budgets)]
-        if deeper == list(plan):
+        deeper = one_deeper(plan, budgets)
+        if deeper == plan:
             return
         sizes = [("step", self.step_costs, self.base_tokens, self.base_tokens + sum(deeper))]
         if with_heads:
