@@ -83,6 +83,34 @@ def test_acceptance_is_counted_per_position_and_confidence():
     assert model.tried.sum(1).tolist() == [200, 200, 0, 0]
 
 
+def test_an_average_requests_later_drafts_are_judged_on_the_rows_that_reached_them():
+    """Half the rows sure at every position (0.95), half unsure (0.05): each position's rate
+    averaged over all rows is 0.5, but a second draft is judged only where the first was
+    accepted, mostly on sure rows: (0.95^2 + 0.05^2) / (0.95 + 0.05) = 0.905."""
+    model = AcceptanceModel(K)
+    assert model.chain_rates() is None
+    model.note_confidence(np.array([[0.95] * 2, [0.05] * 2]))  # the heads ran two deep
+    rates = model.chain_rates()
+    assert rates[0] == pytest.approx(0.5) and rates[1] == pytest.approx(0.905)
+    assert rates[2:].tolist() == [0, 0]  # no row reached them
+
+
+def test_a_chain_of_likely_drafts_runs_the_heads_deep_where_each_head_alone_looks_unsure():
+    """Clover's depth, planned from the average request: a rare sure row (1 in 4) whose
+    drafts are all accepted pays for all four heads at a cost that per-position averages
+    (0.26 a position: 0.26^4 ~ 0.005 for the fourth) would never pay."""
+    policy = GoodputPolicy(K, clock=Clock())
+    for _ in range(8):
+        policy.step_costs.observe(1, 1, 0.010)
+        policy.step_costs.observe(1, 1 + K, 0.010)
+        for positions in range(1, K + 1):
+            policy.heads_costs.observe(1, positions, 0.001 * positions)
+    policy.acceptance.note_confidence(np.array([[0.99] * K, [0.01] * K, [0.01] * K, [0.01] * K]))
+    assert policy.heads_to_run([K]) == K
+    averaged = np.full((1, K), 0.26)
+    assert plan_lengths(averaged, [K], 1, policy.step_costs.scaled(0, 1)[0], lambda h: 0.001 * h)[0] < K
+
+
 def test_held_out_acceptance_is_counted_as_served_drafts_are_and_becomes_the_prior():
     """Rows whose first two drafts were right (runs 2) at confidence 0.95, and rows that missed
     the first (runs 0) at 0.15: position 2 is judged only after two right drafts."""
