@@ -476,7 +476,7 @@ class GoodputPolicy:
         self._steps = 0
         # with heads or not -> (step built, (tokens, rows, sizes known) built for, the cost functions)
         self._built_costs: dict[bool, tuple[int, tuple[int, int, int], tuple]] = {}
-        self._chain: tuple[int, np.ndarray | None] | None = None  # (step computed, chain rates)
+        self._chain: tuple[int, np.ndarray | None] = (0, None)  # (step computed, chain rates)
         self._heads_seconds = 0.0
         self._heads_run = 0
         self._rows = 0
@@ -609,7 +609,7 @@ class GoodputPolicy:
     def _chain_rates(self) -> np.ndarray | None:
         """`AcceptanceModel.chain_rates`, recomputed every COSTS_REFRESH_STEPS steps: ~0.2 ms
         of small numpy calls, for figures that move as slowly as the cost medians."""
-        if self._chain is None or self._chain[1] is None or self._steps - self._chain[0] >= COSTS_REFRESH_STEPS:
+        if self._chain[1] is None or self._steps - self._chain[0] >= COSTS_REFRESH_STEPS:
             self._chain = (self._steps, self.acceptance.chain_rates())
         return self._chain[1]
 
