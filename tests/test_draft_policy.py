@@ -14,12 +14,14 @@ from vllm_clover.draft_policy import (
     CALIBRATION_MIN_DRAFTS,
     EXPLORE_AFTER,
     EXPLORE_STEPS,
+    SAMPLES_PER_BUCKET,
     AcceptanceModel,
     CostModel,
     CostsByBatch,
     GoodputPolicy,
     Looks,
     SharedDecisions,
+    bucket,
     calibration_counts,
     check_policy,
     estimate,
@@ -145,6 +147,24 @@ def test_step_cost_interpolates_and_guesses_the_unmeasured_side_cheap():
         cost.observe(8, 0.005)
     assert cost.predict(np.array([4]))[0] == pytest.approx(cost.predict(np.array([8]))[0])
     assert 0.005 < cost.predict(np.array([8]))[0] < 0.010
+
+
+def test_a_looks_samples_move_with_the_planned_steps_of_their_moment():
+    """A look measures a deeper step for a few steps and then stands for thousands, while
+    the machine's speed drifts: its samples are read in proportion to the planned steps
+    measured beside them, not as the seconds of their moment."""
+    cost = CostModel()
+    for _ in range(16):
+        cost.observe(4, 0.020)             # a slow spell
+    for _ in range(4):
+        cost.observe(8, 0.024, look=True)  # a look one deeper: 20% dearer than the plan
+    assert cost.predict(np.array([8]))[0] == pytest.approx(0.024)
+    for _ in range(16):
+        cost.observe(4, 0.010)             # the machine runs twice as fast again
+    assert cost.predict(np.array([4, 8])).tolist() == pytest.approx([0.010, 0.012])
+    for _ in range(16):
+        cost.observe(8, 0.013)             # planned there since: its own seconds, the look's gone
+    assert cost.predict(np.array([8]))[0] == pytest.approx(0.013)
 
 
 def test_an_unmeasured_batch_size_is_read_per_request_from_its_nearest_neighbour():
@@ -333,6 +353,24 @@ def test_a_look_at_a_batch_size_no_planned_step_ran_leaves_the_interval():
         looks.next_step()
         looks.step_done(64, True, 0, 1.0)  # would not pay against the batch-1 steps
     assert looks.interval == EXPLORE_AFTER
+
+
+def test_a_policy_prices_its_looks_relative_to_its_planned_steps():
+    """The policy's tables get the look flag. At batch 64 drafts never pay: after the
+    full-budget steps that measure, a look one deeper at once (`_measure_deeper`), later one
+    on schedule beside steps without drafts; then the machine slows by half. The scheduled
+    look's 4 samples slow with the steps planned since; the first look's stand as taken
+    (the full-budget steps beside it were not re-run): the median lies halfway."""
+    c, speed = Clock(), [1.0]
+    policy = GoodputPolicy(K, clock=c)
+
+    def step_time(n):
+        return speed[0] * roofline()(n)
+
+    run_steps(policy, c, 64, step_time, steps=30 + EXPLORE_AFTER + EXPLORE_STEPS, accept=0)
+    speed[0] = 1.5
+    run_steps(policy, c, 64, step_time, steps=SAMPLES_PER_BUCKET)
+    assert policy.step_costs.models[bucket(64)].predict(np.array([128]))[0] == pytest.approx(1.25 * roofline()(128))
 
 
 def test_under_tensor_parallelism_every_rank_runs_the_heads_as_deep_as_rank_0():

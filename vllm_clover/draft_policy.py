@@ -205,28 +205,67 @@ class CostModel:
     falling as n grows (`non_decreasing`: noise between buckets must not make drafts look
     cheaper than none).
 
+    A look's samples (`Looks`) are priced relative to the planned steps of their moment:
+    a look runs EXPLORE_STEPS steps and then stands for up to EXPLORE_AFTER_MAX steps,
+    while the planned bucket is re-measured every step, and the machine's own speed drifts
+    ~15% within seconds (README). A look taken in a slow spell made the steps it measured
+    look dear for thousands of steps (demo base, batch 1: a 5-token step 21.4 ms against
+    16.6 ms at 4 tokens, where side by side they cost 14.7 and 13.7 ms). So each look
+    sample keeps the planned bucket's median of its moment, and reads back scaled by that
+    bucket's median now.
+
     Outside what it has measured it guesses optimistically, so the policy tries the
     unmeasured side once and then knows it: above the largest bucket as flat (drafting
     looks free), below the smallest in proportion to n (not drafting looks cheap)."""
 
     def __init__(self):
-        self.samples: dict[int, deque[tuple[float, float]]] = {}   # bucket -> its latest (n, seconds)
+        # bucket -> its latest (n, seconds, reference): the reference is None for a planned
+        # step's sample, for a look's (the planned bucket, its median seconds then)
+        self.samples: dict[int, deque[tuple[float, float, tuple[int, float] | None]]] = {}
         self.medians: dict[int, tuple[float, float]] = {}
+        self._planned: int | None = None  # the bucket of the latest planned sample
+        self._relative: set[int] = set()  # buckets holding a look's samples
         self._table: tuple[np.ndarray, np.ndarray] | None = None   # (n, seconds) per bucket, sorted
 
-    def observe(self, n: int, seconds: float) -> None:
+    def observe(self, n: int, seconds: float, look: bool = False) -> None:
         b = bucket(n)
+        reference = None
+        if not look:
+            self._planned = b
+        elif self._planned is not None and self._planned != b and self._estimated(self._planned):
+            planned_then = self.medians[self._planned][1]
+            reference = (self._planned, planned_then) if planned_then > 0 else None
         samples = self.samples.setdefault(b, deque(maxlen=SAMPLES_PER_BUCKET))
-        samples.append((n, seconds))
-        self.medians[b] = (statistics.median(x for x, _ in samples), statistics.median(y for _, y in samples))
+        samples.append((n, seconds, reference))
+        if any(sample[2] for sample in samples):
+            self._relative.add(b)
+        else:
+            self._relative.discard(b)
+        self._update_median(b)
         self._table = None
 
+    def _estimated(self, b: int) -> bool:
+        return len(self.samples.get(b, ())) >= MIN_SAMPLES
+
+    def _update_median(self, b: int) -> None:
+        samples = self.samples[b]
+        self.medians[b] = (statistics.median(n for n, _, _ in samples),
+                           statistics.median(self._priced_now(seconds, ref) for _, seconds, ref in samples))
+
+    def _priced_now(self, seconds: float, reference: tuple[int, float] | None) -> float:
+        if reference is None:
+            return seconds
+        planned, planned_then = reference
+        return seconds * self.medians[planned][1] / planned_then
+
     def knows(self) -> bool:
-        return any(len(samples) >= MIN_SAMPLES for samples in self.samples.values())
+        return any(self._estimated(b) for b in self.samples)
 
     def table(self) -> tuple[np.ndarray, np.ndarray]:
         if self._table is None:
-            keys = sorted(b for b in self.medians if len(self.samples[b]) >= MIN_SAMPLES)
+            for b in self._relative:
+                self._update_median(b)
+            keys = sorted(b for b in self.medians if self._estimated(b))
             medians = np.array([self.medians[b] for b in keys])
             self._table = medians[:, 0], non_decreasing(medians[:, 1], [len(self.samples[b]) for b in keys])
         return self._table
@@ -255,10 +294,10 @@ class CostsByBatch:
         self.sizes_per_batch = sizes_per_batch
         self.sizes_known = 0  # (batch, size) buckets with an estimate: grows as the tables do
 
-    def observe(self, requests: int, n: int, seconds: float) -> None:
+    def observe(self, requests: int, n: int, seconds: float, look: bool = False) -> None:
         b = bucket(requests)
         model = self.models.setdefault(b, CostModel())
-        model.observe(n, seconds)
+        model.observe(n, seconds, look)
         self.batch_sizes.setdefault(b, deque(maxlen=SAMPLES_PER_BUCKET)).append(requests)
         self.sizes_known += len(model.samples[bucket(n)]) == MIN_SAMPLES
 
@@ -507,7 +546,7 @@ class GoodputPolicy:
             seconds = now - self._last_step_start
             decode_only = num_tokens == len(req_ids) + sum(verified.values()) and len(accepted) == len(req_ids)
             costs = self.step_costs if decode_only else self.prefill_step_costs
-            costs.observe(len(req_ids), num_tokens, seconds - self._heads_seconds)
+            costs.observe(len(req_ids), num_tokens, seconds - self._heads_seconds, look=bool(self._looked))
             if self._looked is not None:
                 self.looks.step_done(len(req_ids), self._looked, len(accepted) + sum(accepted.values()), seconds)
         self.looks.next_step()
@@ -524,7 +563,7 @@ class GoodputPolicy:
     def heads_timed(self, seconds: float) -> None:
         self._heads_seconds = seconds
         if self._heads_run:
-            self.heads_costs.observe(self._rows, self._heads_run, seconds)
+            self.heads_costs.observe(self._rows, self._heads_run, seconds, look=bool(self._looked))
 
     def end_step(self, req_ids: list[str]) -> None:
         """The request id of each row that `lengths` was given, in the same order."""
