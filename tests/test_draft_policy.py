@@ -78,10 +78,11 @@ def test_acceptance_is_counted_per_position_and_confidence():
     prior = model.rates(confident[None])[0]
     for _ in range(100):  # two requests a step, four drafts verified each
         model.observe(np.stack([confident, confident]), verified=np.array([4, 4]), accepted=np.array([1, 1]))
-    # position 0 accepted, 1 rejected, 2-3 never judged
+    # position 0 accepted, 1 rejected, 2-3 never judged: the bin's rate over positions 0-1
     after = model.rates(confident[None])[0]
     assert after[0] > 0.99 * prior[0] and after[1] < 0.1
-    assert after[2] == pytest.approx(prior[2]) and after[3] == pytest.approx(prior[3])
+    pooled = (200 + 2 * prior[2]) / (400 + 2)
+    assert after[2] == pytest.approx(pooled) and after[3] == pytest.approx(pooled)
     assert model.tried.sum(1).tolist() == [200, 200, 0, 0]
 
 
@@ -111,6 +112,25 @@ def test_a_chain_of_likely_drafts_runs_the_heads_deep_where_each_head_alone_look
     assert policy.heads_to_run([K]) == K
     averaged = np.full((1, K), 0.26)
     assert plan_lengths(averaged, [K], 1, policy.step_costs.scaled(0, 1)[0], lambda h: 0.001 * h)[0] < K
+
+
+def test_under_confident_heads_judged_only_near_the_front_still_run_deep():
+    """Heads that say 0.35 and are always right, judged so far at their first two positions
+    only (a shallow plan): the deeper positions take the bin's rate measured there, not the
+    confidence, so all four heads run (on the confidence alone: two)."""
+    policy = GoodputPolicy(K, clock=Clock())
+    for _ in range(8):
+        policy.step_costs.observe(1, 1, 0.010)
+        policy.step_costs.observe(1, 1 + K, 0.010)
+        for positions in range(1, K + 1):
+            policy.heads_costs.observe(1, positions, 0.002 * positions)
+    unsure = np.full((50, K), 0.35)
+    policy.acceptance.observe(unsure, verified=np.full(50, 2), accepted=np.full(50, 2))
+    policy.acceptance.note_confidence(unsure)
+    assert policy.heads_to_run([K]) == K
+    by_confidence = np.full((1, K), 0.35)
+    by_confidence[0, :2] = 1.0
+    assert plan_lengths(by_confidence, [K], 1, policy.step_costs.scaled(0, 1)[0], lambda h: 0.002 * h)[0] == 2
 
 
 def test_held_out_acceptance_is_counted_as_served_drafts_are_and_becomes_the_prior():
