@@ -66,10 +66,11 @@ EXPLORE_STEPS = 4
 # from 128) it is measured (`GoodputPolicy._measure_deeper`).
 NEAR_OCTAVES = 2
 LOOK_REFERENCE_STEPS = 64  # the latest steps a look is judged against (its own among them)
-# The cost functions a plan reads are rebuilt this often, and at once for another batch size
-# or a size newly measured: building them reads every table (~40 us a step in Python with a
-# few batch sizes measured; a plain step on the demo base at batch 1 is 1.4-2.7 ms), and
-# medians of 16 samples move slowly.
+# The cost functions a plan reads (and Clover's depth plan) are rebuilt this often, and at
+# once for another batch size or a size newly measured: building them takes medians over
+# every table (in Python: ~40 us a step with a few batch sizes measured, more under a look's
+# relative pricing; a plain step on the demo base at batch 1 is 1.4-2.7 ms), and medians of
+# 16 samples move slowly.
 COSTS_REFRESH_STEPS = 16
 
 
@@ -232,9 +233,7 @@ class CostModel:
         # bucket -> its latest (n, seconds, reference): the reference is None for a planned
         # step's sample, for a look's (the planned bucket, its median seconds then)
         self.samples: dict[int, deque[tuple[float, float, tuple[int, float] | None]]] = {}
-        self.medians: dict[int, tuple[float, float]] = {}
         self._planned: int | None = None  # the bucket of the latest planned sample
-        self._relative: set[int] = set()  # buckets holding a look's samples
         self._table: tuple[np.ndarray, np.ndarray] | None = None   # (n, seconds) per bucket, sorted
 
     def observe(self, n: int, seconds: float, look: bool = False) -> None:
@@ -243,47 +242,48 @@ class CostModel:
         if not look:
             self._planned = b
         elif self._planned is not None and self._planned != b and self._estimated(self._planned):
-            planned_then = self.medians[self._planned][1]
+            planned_then = self._recorded_median(self._planned)
             reference = (self._planned, planned_then) if planned_then > 0 else None
-        samples = self.samples.setdefault(b, deque(maxlen=SAMPLES_PER_BUCKET))
-        samples.append((n, seconds, reference))
-        if any(sample[2] for sample in samples):
-            self._relative.add(b)
-        else:
-            self._relative.discard(b)
-        self._update_median(b)
+        self.samples.setdefault(b, deque(maxlen=SAMPLES_PER_BUCKET)).append((n, seconds, reference))
         self._table = None
 
     def _estimated(self, b: int) -> bool:
         return len(self.samples.get(b, ())) >= MIN_SAMPLES
 
-    def _update_median(self, b: int) -> None:
-        samples = self.samples[b]
-        self.medians[b] = (statistics.median(n for n, _, _ in samples),
-                           statistics.median(self._priced_now(seconds, ref) for _, seconds, ref in samples))
+    def _recorded_median(self, b: int) -> float:
+        """Bucket b's median seconds as its samples were recorded (what a look is priced against)."""
+        return statistics.median(seconds for _, seconds, _ in self.samples[b])
 
-    def _priced_now(self, seconds: float, reference: tuple[int, float] | None) -> float:
-        if reference is None:
-            return seconds
-        planned, planned_then = reference
-        return seconds * self.medians[planned][1] / planned_then
+    def _median_now(self, b: int) -> float:
+        """Bucket b's median seconds, its look samples scaled as their planned bucket moved since."""
+        priced = [seconds if ref is None else seconds * self._recorded_median(ref[0]) / ref[1]
+                  for _, seconds, ref in self.samples[b]]
+        return statistics.median(priced)
 
     def knows(self) -> bool:
         return any(self._estimated(b) for b in self.samples)
 
     def table(self) -> tuple[np.ndarray, np.ndarray]:
         if self._table is None:
-            for b in self._relative:
-                self._update_median(b)
-            keys = sorted(b for b in self.medians if self._estimated(b))
-            medians = np.array([self.medians[b] for b in keys])
-            self._table = medians[:, 0], non_decreasing(medians[:, 1], [len(self.samples[b]) for b in keys])
+            keys = sorted(b for b in self.samples if self._estimated(b))
+            sizes = np.array([statistics.median(n for n, _, _ in self.samples[b]) for b in keys])
+            seconds = np.array([self._median_now(b) for b in keys])
+            self._table = sizes, non_decreasing(seconds, [len(self.samples[b]) for b in keys])
         return self._table
 
     def predict(self, n: np.ndarray) -> np.ndarray:
+        return self.frozen()(n)
+
+    def frozen(self) -> Callable[[np.ndarray], np.ndarray]:
+        """`predict` over the table as it stands: a policy's plans read tables rebuilt only
+        every COSTS_REFRESH_STEPS steps (building one takes medians over every bucket)."""
         xs, ys = self.table()
-        n = np.maximum(np.asarray(n, dtype=np.float64), 1)
-        return np.where(n < xs[0], ys[0] * n / xs[0], np.interp(n, xs, ys))
+
+        def predict(n: np.ndarray) -> np.ndarray:
+            n = np.maximum(np.asarray(n, dtype=np.float64), 1)
+            return np.where(n < xs[0], ys[0] * n / xs[0], np.interp(n, xs, ys))
+
+        return predict
 
     def as_dict(self) -> dict[str, float]:
         xs, ys = self.table() if self.knows() else ((), ())
@@ -331,10 +331,10 @@ class CostsByBatch:
         what one of that bucket's did (per request the same sizes and seconds), and the
         largest size it has measured, in the batch's own sizes."""
         model, ratio = self.models[measured_bucket], self._ratio(measured_bucket, requests)
-        largest = model.table()[0][-1]
+        predict, largest = model.frozen(), model.table()[0][-1]
         if self.sizes_per_batch:
-            return (lambda n: model.predict(np.asarray(n) / ratio) * ratio), largest * ratio
-        return (lambda n: model.predict(n) * ratio), largest
+            return (lambda n: predict(np.asarray(n) / ratio) * ratio), largest * ratio
+        return (lambda n: predict(n) * ratio), largest
 
     def _ratio(self, measured_bucket: int, requests: int) -> float:
         """How many of a measured bucket's requests a batch of `requests` is."""
@@ -526,6 +526,7 @@ class GoodputPolicy:
         # with heads or not -> (step built, (tokens, rows, sizes known) built for, the cost functions)
         self._built_costs: dict[bool, tuple[int, tuple[int, int, int], tuple]] = {}
         self._chain: tuple[int, np.ndarray | None] = (0, None)  # (step computed, chain rates)
+        self._depth_planned: tuple[tuple | None, list[int]] = (None, [])  # (planned from, plan): `_depth_plan`
         self._heads_seconds = 0.0
         self._heads_run = 0
         self._rows = 0
@@ -590,12 +591,21 @@ class GoodputPolicy:
         chain = self._chain_rates()
         costs = self._costs(with_heads=True)
         if deepest and chain is not None and costs is not None:
-            rates = np.broadcast_to(chain[:deepest], (len(budgets), deepest))
-            plan = plan_lengths(rates, budgets, self.base_tokens, *costs)
+            plan = self._depth_plan(chain, budgets, costs)
             self._measure_deeper(plan, budgets, with_heads=True)
             deepest = self._look([max(plan)], [deepest])[0]
         self._heads_run = deepest
         return deepest
+
+    def _depth_plan(self, chain: np.ndarray, budgets: list[int], costs: tuple) -> list[int]:
+        """`heads_to_run`'s plan for an average request, which changes only with what it is
+        planned from: kept until the chain rates or the cost functions are rebuilt, or the
+        batch's budgets change."""
+        key = (self._chain[0], self._built_costs[True][:2], tuple(budgets))
+        if self._depth_planned[0] != key:
+            rates = np.broadcast_to(chain[: max(budgets)], (len(budgets), max(budgets)))
+            self._depth_planned = (key, plan_lengths(rates, budgets, self.base_tokens, *costs))
+        return self._depth_planned[1]
 
     def lengths(self, confidence: np.ndarray, budgets: list[int], heads_to_run: bool = False) -> list[int]:
         """confidence [R, k]: the heads' estimate per row and position (Clover: each head's
