@@ -159,7 +159,9 @@ PART_NAMES = {
     "draft.attention_metadata": "draft: attention metadata", "draft.augmenting_block": "draft: augmenting block",
     "draft.augmenting_rows": "draft: augmenting block's drafting rows",
     "draft.heads_chain": "draft: heads' own layers", "draft.head_logits": "draft: logits + argmax",
-    "draft.head_rows": "draft: token rows", "draft.other": "draft: the rest (host copies, Python)",
+    "draft.head_rows": "draft: token rows", "draft.policy_observe": "draft: policy, learning from the step",
+    "draft.policy_depth": "draft: policy, Clover's depth", "draft.policy_lengths": "draft: policy, lengths",
+    "draft.other": "draft: the rest (host copies, Python)",
     "outside_runner": "engine outside the runner",
 }
 

@@ -167,7 +167,11 @@ PROFILE_DRAFT_PARTS = {"draft_batch": ("proposer", "draft_batch"),
                        "augmenting_rows": ("model", "start_states"),
                        "heads_chain": ("heads", "draft"),
                        "head_logits": ("lm_head", "logits"),
-                       "head_rows": ("lm_head", "rows")}
+                       "head_rows": ("lm_head", "rows"),
+                       # the goodput policy (engines with draft_policy "fixed" have none)
+                       "policy_observe": ("policy", "observe_step"),
+                       "policy_depth": ("policy", "heads_to_run"),
+                       "policy_lengths": ("policy", "lengths")}
 
 
 def install_step_timers(worker, profile: bool = False):
@@ -199,9 +203,11 @@ def install_step_timers(worker, profile: bool = False):
         return
     from vllm_clover import proposer
 
-    owners = {"proposer": proposer, "model": model, "heads": model.heads, "lm_head": model.lm_head}
+    owners = {"proposer": proposer, "model": model, "heads": model.heads, "lm_head": model.lm_head,
+              "policy": model.policy}
     for name, (owner, member) in PROFILE_DRAFT_PARTS.items():
-        setattr(owners[owner], member, timed(name, getattr(owners[owner], member)))
+        if owners[owner] is not None:
+            setattr(owners[owner], member, timed(name, getattr(owners[owner], member)))
 
 
 def read_drafting(worker) -> dict | None:
