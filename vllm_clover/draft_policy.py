@@ -20,10 +20,11 @@ request a prefix); the policy scans N and keeps the best goodput (`plan_lengths`
 
 Both models learn online from the engine's own steps, so they fit the machine, the model
 and the load: acceptance from what vLLM's rejection sampler accepted, per draft position
-and per bin of the heads' own confidence (a calibrated head's top-1 probability is its
-chance of being right, which is the prior); the step time from the wall time between
-successive draft steps, per batch size and token count (both in buckets); the heads' time
-per number of rows and positions. A batch size not yet measured borrows the nearest measured
+and per bin of the heads' own confidence, on top of that bin's rate over all positions
+(a calibrated head's top-1 probability is its chance of being right, which is the prior);
+the step time from the wall time between successive draft steps, per batch size and token
+count (both in buckets; a look's steps priced relative to the planned ones beside them);
+the heads' time per number of rows and positions. A batch size not yet measured borrows the nearest measured
 one's figures (`estimate`); until any is measured the policy drafts the full budget, which
 is also how it measures. Every so often it looks past its plan (one draft deeper, or none
 at all), to re-measure what it no longer does (`Looks`: less often while looking does not
@@ -112,11 +113,11 @@ class AcceptanceModel:
 
         A position the plan rarely reaches is judged on few drafts, and with the confidence
         as its only prior a plan stays shallow for good wherever the heads are
-        under-confident. They are, alike at every depth: on the demo base at batch 1 drafts
-        were accepted at 0.56-0.70 in bins 0.3-0.4 and 0.4-0.5 of positions 1 and 3, and at
-        0.94 in bin 0.6-0.7 of both; a plan that had judged 3 drafts at position 3 kept the
-        third head at 0.24 (accepted at 0.73 when drafted every step) and drafted two tokens
-        where four paid (0.95x plain decoding; the full budget 1.21x)."""
+        under-confident. They are, alike at every depth: on the demo base at batch 1 drafts in
+        confidence bins 0.3-0.5 were accepted at 0.56-0.67 at position 1 and 0.67-0.92 at
+        position 3, in bin 0.6-0.7 at 0.94 at both; a plan that had judged 3 drafts at
+        position 3 kept the third head at 0.24 (accepted at 0.73 when drafted every step)
+        and drafted two tokens where four paid (0.95x plain decoding; the full budget 1.21x)."""
         pooled = (self.accepted.sum(0) + PRIOR_WEIGHT * self.prior) / (self.tried.sum(0) + PRIOR_WEIGHT)
         return (self.accepted + PRIOR_WEIGHT * pooled) / (self.tried + PRIOR_WEIGHT)
 
