@@ -98,16 +98,23 @@ def test_an_average_requests_later_drafts_are_judged_on_the_rows_that_reached_th
     assert rates[2:].tolist() == [0, 0]  # no row reached them
 
 
-def test_a_chain_of_likely_drafts_runs_the_heads_deep_where_each_head_alone_looks_unsure():
-    """Clover's depth, planned from the average request: a rare sure row (1 in 4) whose
-    drafts are all accepted pays for all four heads at a cost that per-position averages
-    (0.26 a position: 0.26^4 ~ 0.005 for the fourth) would never pay."""
+def policy_at_batch_1(heads_seconds_per_position: float) -> GoodputPolicy:
+    """A policy that has measured batch 1: every step 10 ms whatever its drafts (memory-bound),
+    the heads linear in the positions they draft."""
     policy = GoodputPolicy(K, clock=Clock())
     for _ in range(8):
         policy.step_costs.observe(1, 1, 0.010)
         policy.step_costs.observe(1, 1 + K, 0.010)
         for positions in range(1, K + 1):
-            policy.heads_costs.observe(1, positions, 0.001 * positions)
+            policy.heads_costs.observe(1, positions, heads_seconds_per_position * positions)
+    return policy
+
+
+def test_a_chain_of_likely_drafts_runs_the_heads_deep_where_each_head_alone_looks_unsure():
+    """Clover's depth, planned from the average request: a rare sure row (1 in 4) whose
+    drafts are all accepted pays for all four heads at a cost that per-position averages
+    (0.26 a position: 0.26^4 ~ 0.005 for the fourth) would never pay."""
+    policy = policy_at_batch_1(heads_seconds_per_position=0.001)
     policy.acceptance.note_confidence(np.array([[0.99] * K, [0.01] * K, [0.01] * K, [0.01] * K]))
     assert policy.heads_to_run([K]) == K
     averaged = np.full((1, K), 0.26)
@@ -118,12 +125,7 @@ def test_under_confident_heads_judged_only_near_the_front_still_run_deep():
     """Heads that say 0.35 and are always right, judged so far at their first two positions
     only (a shallow plan): the deeper positions take the bin's rate measured there, not the
     confidence, so all four heads run (on the confidence alone: two)."""
-    policy = GoodputPolicy(K, clock=Clock())
-    for _ in range(8):
-        policy.step_costs.observe(1, 1, 0.010)
-        policy.step_costs.observe(1, 1 + K, 0.010)
-        for positions in range(1, K + 1):
-            policy.heads_costs.observe(1, positions, 0.002 * positions)
+    policy = policy_at_batch_1(heads_seconds_per_position=0.002)
     unsure = np.full((50, K), 0.35)
     policy.acceptance.observe(unsure, verified=np.full(50, 2), accepted=np.full(50, 2))
     policy.acceptance.note_confidence(unsure)
