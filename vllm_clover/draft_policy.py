@@ -24,12 +24,12 @@ and per bin of the heads' own confidence, on top of that bin's rate over all pos
 (a calibrated head's top-1 probability is its chance of being right, which is the prior);
 the step time from the wall time between successive draft steps, per batch size and token
 count (both in buckets; a look's steps priced relative to the planned ones beside them);
-the heads' time per number of rows and positions. A batch size not yet measured borrows the nearest measured
-one's figures (`estimate`); until any is measured the policy drafts the full budget, which
-is also how it measures. Every so often it looks past its plan (one draft deeper, or none
-at all), to re-measure what it no longer does (`Looks`: less often while looking does not
-pay), and at once where one draft deeper has not been measured at a batch size near this
-one (`_measure_deeper`).
+the heads' time per number of rows and positions. A batch size not yet measured borrows
+the nearest measured one's figures (`estimate`); until any is measured the policy drafts
+the full budget, which is also how it measures. Every so often it looks past its plan (one
+draft deeper, or none at all), to re-measure what it no longer does (`Looks`: less often
+while looking does not pay), and at once where one draft deeper has not been measured at a
+batch size near this one (`_measure_deeper`).
 
 `fixed` (speculative_config "draft_policy": "fixed") keeps each method's own rule: Clover
 drafts its budget, CLP thresholds its predicted length at tau.
@@ -222,9 +222,9 @@ class CostModel:
     while the planned bucket is re-measured every step, and the machine's own speed drifts
     ~15% within seconds (README). A look taken in a slow spell made the steps it measured
     look dear for thousands of steps (demo base, batch 1: a 5-token step 21.4 ms against
-    16.6 ms at 4 tokens, where side by side they cost 14.7 and 13.7 ms). So each look
-    sample keeps the planned bucket's median of its moment, and reads back scaled by that
-    bucket's median now.
+    16.6 ms at 4 tokens, where steps of 5 and 3 tokens alternated in blocks took 14.7 and
+    13.7 ms). So each look sample keeps the planned bucket's median of its moment, and
+    reads back scaled by that bucket's median now.
 
     Outside what it has measured it guesses optimistically, so the policy tries the
     unmeasured side once and then knows it: above the largest bucket as flat (drafting
