@@ -257,9 +257,10 @@ class CostModel:
 
     def _median_now(self, b: int) -> float:
         """Bucket b's median seconds, its look samples scaled as their planned bucket moved since."""
-        priced = [seconds if ref is None else seconds * self._recorded_median(ref[0]) / ref[1]
-                  for _, seconds, ref in self.samples[b]]
-        return statistics.median(priced)
+        samples = self.samples[b]
+        planned_now = {ref[0]: self._recorded_median(ref[0]) for _, _, ref in samples if ref is not None}
+        return statistics.median(seconds if ref is None else seconds * planned_now[ref[0]] / ref[1]
+                                 for _, seconds, ref in samples)
 
     def knows(self) -> bool:
         return any(self._estimated(b) for b in self.samples)
