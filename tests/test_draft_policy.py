@@ -14,6 +14,7 @@ from vllm_clover.draft_policy import (
     CALIBRATION_MIN_DRAFTS,
     EXPLORE_AFTER,
     EXPLORE_STEPS,
+    RECENT_ROWS,
     SAMPLES_PER_BUCKET,
     AcceptanceModel,
     CostModel,
@@ -96,6 +97,23 @@ def test_an_average_requests_later_drafts_are_judged_on_the_rows_that_reached_th
     rates = model.chain_rates()
     assert rates[0] == pytest.approx(0.5) and rates[1] == pytest.approx(0.905)
     assert rates[2:].tolist() == [0, 0]  # no row reached them
+
+
+def test_rows_noted_step_by_step_count_as_the_latest_rows_noted_at_once():
+    """Confidences are noted every step but reach the chain rates' ring buffers only when
+    read: steps of varying depth, more rows than the buffers hold, give the chain rates of
+    the latest RECENT_ROWS rows as if noted in one go."""
+    rng = np.random.default_rng(0)
+    steps = [rng.random((int(rng.integers(1, 9)), int(rng.integers(1, K + 1)))) for _ in range(150)]
+    step_by_step = AcceptanceModel(K)
+    for confidence in steps:
+        step_by_step.note_confidence(confidence)
+    at_once = AcceptanceModel(K)
+    for j in range(K):  # per position, the rows whose heads ran at least that deep
+        reached = np.concatenate([c[:, : j + 1] for c in steps if c.shape[1] > j])
+        at_once.recent[j].add(AcceptanceModel.bins(reached))
+    assert sum(len(c) for c in steps) > RECENT_ROWS
+    np.testing.assert_allclose(step_by_step.chain_rates(), at_once.chain_rates())
 
 
 def policy_at_batch_1(heads_seconds_per_position: float) -> GoodputPolicy:

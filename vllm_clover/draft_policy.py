@@ -37,6 +37,7 @@ drafts its budget, CLP thresholds its predicted length at tau.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -98,10 +99,15 @@ class AcceptanceModel:
             self.prior[: len(tried)][measured] = accepted[measured] / tried[measured]
         self.tried = np.zeros((num_positions, CONFIDENCE_BINS))
         self.accepted = np.zeros((num_positions, CONFIDENCE_BINS))
+        self._calibrated: np.ndarray | None = None  # `calibrated()` until the next observe
         # The confidence bins of the latest rows the heads drafted for, whether drafted or not
         # (free of the selection the policy makes when it drafts only confident tokens): per
         # position j, rows that reached it, with their bins at positions 0..j (`chain_rates`).
         self.recent = [RecentRows(j + 1) for j in range(num_positions)]
+        # Confidence bins noted since `recent` was last brought up to date: appended once a
+        # step, added to the ring buffers in one go when they are read (`chain_rates`).
+        self._unnoted: list[np.ndarray] = []
+        self._unnoted_rows = 0
 
     @staticmethod
     def bins(confidence: np.ndarray) -> np.ndarray:
@@ -118,8 +124,10 @@ class AcceptanceModel:
         position 3, in bin 0.6-0.7 at 0.94 at both; a plan that had judged 3 drafts at
         position 3 kept the third head at 0.24 (accepted at 0.73 when drafted every step)
         and drafted two tokens where four paid (0.95x plain decoding; the full budget 1.21x)."""
-        pooled = (self.accepted.sum(0) + PRIOR_WEIGHT * self.prior) / (self.tried.sum(0) + PRIOR_WEIGHT)
-        return (self.accepted + PRIOR_WEIGHT * pooled) / (self.tried + PRIOR_WEIGHT)
+        if self._calibrated is None:
+            pooled = (self.accepted.sum(0) + PRIOR_WEIGHT * self.prior) / (self.tried.sum(0) + PRIOR_WEIGHT)
+            self._calibrated = (self.accepted + PRIOR_WEIGHT * pooled) / (self.tried + PRIOR_WEIGHT)
+        return self._calibrated
 
     def rates(self, confidence: np.ndarray) -> np.ndarray:
         """confidence [R, k] (k <= positions) -> a [R, k]."""
@@ -128,9 +136,19 @@ class AcceptanceModel:
 
     def note_confidence(self, confidence: np.ndarray) -> None:
         """Every row the heads drafted for, drafted or not (confidence [R, k])."""
-        bins = self.bins(confidence)
-        for j in range(confidence.shape[1]):
-            self.recent[j].add(bins[:, : j + 1])
+        self._unnoted.append(self.bins(confidence))
+        self._unnoted_rows += len(confidence)
+        if self._unnoted_rows >= RECENT_ROWS:  # a policy that never reads them keeps no more
+            self._bring_recent_up_to_date()
+
+    def _bring_recent_up_to_date(self) -> None:
+        """The noted rows into the ring buffers, per position in one add, not one per step:
+        four small adds a step were ~10% of the policy's time at batch 1."""
+        for j, recent in enumerate(self.recent):
+            reached = [bins[:, : j + 1] for bins in self._unnoted if bins.shape[1] > j]
+            if reached:
+                recent.add(np.concatenate(reached))
+        self._unnoted, self._unnoted_rows = [], 0
 
     def observe(self, confidence: np.ndarray, verified: np.ndarray, accepted: np.ndarray) -> None:
         """A step's verified drafts, all requests at once: confidence [R, k] (row r's drafts
@@ -142,6 +160,7 @@ class AcceptanceModel:
         bins = self.bins(confidence)
         self.tried += self._count(positions[judged], bins[judged])
         self.accepted += self._count(positions[took], bins[took])
+        self._calibrated = None
 
     def _count(self, positions: np.ndarray, bins: np.ndarray) -> np.ndarray:
         """[positions, bins] histogram of (position, bin) pairs (bincount: ~10x np.add.at)."""
@@ -159,6 +178,7 @@ class AcceptanceModel:
         Clover's fourth head on the demo base averaged 0.15 over all rows, while drafts there
         were accepted at 0.75 in the rows that reached them (fixed K = 4), and a depth chosen
         from the averages stopped at two."""
+        self._bring_recent_up_to_date()
         if not len(self.recent[0]):
             return None
         calibrated = self.calibrated()
@@ -205,6 +225,7 @@ def calibration_counts(confidence: np.ndarray, runs: np.ndarray) -> dict:
             "accepted": model.accepted.astype(int).tolist()}
 
 
+@functools.cache  # sizes are few and it is called ~10 times a step
 def bucket(num_tokens: int) -> int:
     return round(BUCKETS_PER_OCTAVE * math.log2(max(num_tokens, 1)))
 
@@ -258,7 +279,7 @@ class CostModel:
     def _median_now(self, b: int) -> float:
         """Bucket b's median seconds, its look samples scaled as their planned bucket moved since."""
         samples = self.samples[b]
-        planned_now = {ref[0]: self._recorded_median(ref[0]) for _, _, ref in samples if ref is not None}
+        planned_now = {b: self._recorded_median(b) for b in {ref[0] for _, _, ref in samples if ref is not None}}
         return statistics.median(seconds if ref is None else seconds * planned_now[ref[0]] / ref[1]
                                  for _, seconds, ref in samples)
 
