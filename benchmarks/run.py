@@ -49,7 +49,8 @@ BASELINES = ("vanilla", "vanilla-2", "ngram", "ngram-idle")
 # vanilla-2: a second plain engine, measured against the first like any method. Two identical
 # engines are not equally fast: on SmolLM2 at batch 64 their target forward differed by up to
 # ~5% for the engine's whole life (cause not established; where its memory lies is the likely
-# one), so a method's speed-up carries that spread, which rounds within one run do not show.
+# one), so a method's speed-up carries that spread, which rounds of engines loaded once do not
+# show (`--fresh-engines` loads them anew every round).
 # ngram-idle: vLLM's own speculative engine with a lookup so long that it (nearly) never
 # drafts: what speculation costs in vLLM's code alone on steps that draft nothing, the floor
 # under any proposer's no-draft steps.
@@ -320,38 +321,64 @@ def run_interleaved(args, prompts: list, categories: list[str] | None, progress)
     round measures every method once on the same prompts, in an order rotated from round
     to round. A shared machine's speed drifts over minutes, so methods measured one after
     the other, minutes apart, see different machines; within a round they see the same one,
-    and the per-round ratios to vanilla (compare_with_vanilla) carry the drift's spread."""
+    and the per-round ratios to vanilla (compare_with_vanilla) carry the drift's spread.
+
+    With `args.fresh_engines` every round loads all the engines anew (in the round's order)
+    and shuts them down after it: two identical engines can differ in speed by ~10% for
+    their whole life, a bias in every round of engines loaded once, which fresh engines turn
+    into spread between rounds."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
-    engines, failed = {}, {}
+    rounds: dict[str, dict[str, list]] = {method: {} for method in args.methods}
+    failed: dict[str, str] = {}
+    for lifetime in range(args.rounds) if args.fresh_engines else [None]:
+        lived = list(range(args.rounds)) if lifetime is None else [lifetime]
+        load_order = rotated([m for m in args.methods if m not in failed], lived[0])
+        engines = start_engines(load_order, args, prompts, failed, progress)
+        try:
+            for batch_size, n in zip(args.batch_sizes, args.num_prompts):
+                for r in lived:
+                    for method in (m for m in rotated([m for m in args.methods if m in engines], r)
+                                   if m not in failed):
+                        progress.set_postfix(batch=batch_size, round=r + 1, method=method)
+                        try:
+                            measured = measure(engines[method], prompts[:n], batch_size, params,
+                                               categories and categories[:n])
+                        except Exception as e:
+                            failed[method] = report_failure(method, e)
+                            continue
+                        rounds[method].setdefault(str(batch_size), []).append(measured)
+                    progress.update(1)
+        finally:
+            for engine in engines.values():
+                shutdown(engine.llm)
+    results = {method: {batch: summarize(measured) for batch, measured in by_batch.items()}
+               for method, by_batch in rounds.items() if method not in failed and by_batch}
+    return results, failed
+
+
+def rotated(methods: list[str], r: int) -> list[str]:
+    """Round r's order: the list rotated by r, so no method is always measured (or loaded) first."""
+    return methods[r % len(methods):] + methods[: r % len(methods)] if methods else []
+
+
+def start_engines(methods: list[str], args, prompts: list, failed: dict[str, str], progress) -> dict[str, Engine]:
+    """The methods' engines, started in order; a method whose engine fails is reported in
+    `failed` and the others still run."""
+    engines = {}
     try:
-        for method in args.methods:
+        for method in methods:
             progress.set_postfix(starting=method)
             try:
                 engines[method] = start_engine(method, args, prompts)
-            except Exception as e:  # report it; the other methods still run
+            except Exception as e:
                 failed[method] = report_failure(method, e)
-        rounds: dict[str, dict[str, list]] = {method: {} for method in engines}
-        for batch_size, n in zip(args.batch_sizes, args.num_prompts):
-            for r in range(args.rounds):
-                order = list(engines)[r % len(engines):] + list(engines)[: r % len(engines)] if engines else []
-                for method in (m for m in order if m not in failed):
-                    progress.set_postfix(batch=batch_size, round=r + 1, method=method)
-                    try:
-                        measured = measure(engines[method], prompts[:n], batch_size, params,
-                                           categories and categories[:n])
-                    except Exception as e:
-                        failed[method] = report_failure(method, e)
-                        continue
-                    rounds[method].setdefault(str(batch_size), []).append(measured)
-                progress.update(1)
-        results = {method: {batch: summarize(measured) for batch, measured in by_batch.items()}
-                   for method, by_batch in rounds.items() if method not in failed}
-        return results, failed
-    finally:
+    except BaseException:
         for engine in engines.values():
             shutdown(engine.llm)
+        raise
+    return engines
 
 
 def report_failure(method: str, error: Exception) -> str:
@@ -536,6 +563,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_engine_arguments(parser)
     parser.add_argument("--rounds", type=int, default=3,
                         help="interleaved rounds per batch size (speed is their median, the spread their range)")
+    parser.add_argument("--fresh-engines", action="store_true",
+                        help="load every engine anew for each round (an engine's lifelong speed becomes "
+                             "spread between rounds instead of a bias)")
     parser.add_argument("--profile", action="store_true",
                         help="also time the parts of an engine step (target forward, sampling, our draft step's parts)")
     parser.add_argument("--out", type=Path, required=True)

@@ -172,6 +172,25 @@ def test_a_failing_method_is_reported_and_the_run_completes(tmp_path, monkeypatc
     assert json.loads(out.read_text())["failed"] == result["failed"]
 
 
+def test_fresh_engines_are_loaded_for_every_round_in_a_rotated_order(tmp_path, monkeypatch):
+    """--fresh-engines: each round starts every engine anew (the first round's first engine
+    is the second round's last) and measures it at every batch size; results look as usual."""
+    from benchmarks import run
+
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # run.main sets it; restored after the test
+    started, start_engine = [], run.start_engine
+    monkeypatch.setattr(run, "start_engine", lambda method, *a: started.append(method) or start_engine(method, *a))
+    result = run.main(["--methods", "vanilla,vanilla-2", "--batch-sizes", "1,2", "--num-prompts", "2",
+                       "--max-tokens", "6", "--rounds", "2", "--fresh-engines", "--enforce-eager",
+                       "--out", str(tmp_path / "r.json")], summary=False)
+    assert started == ["vanilla", "vanilla-2", "vanilla-2", "vanilla"] and result["failed"] == {}
+    for batch in ("1", "2"):
+        second = result["results"]["vanilla-2"][batch]
+        assert second["rounds"] == 2 and second["rounds_agree"] and second["mismatches"] == [0, 0]
+        low, high = second["speedup_range"]
+        assert low <= second["speedup_over_vanilla"] <= high
+
+
 def test_interleaved_rounds_with_profile_in_real_engines(tmp_path, monkeypatch):
     """Four engines loaded together, two rounds each, with our draft step's parts timed;
     Clover with both draft policies (the fixed one drafts every head, so every part runs)."""
