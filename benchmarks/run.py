@@ -185,7 +185,10 @@ def install_step_timers(worker, profile: bool = False):
     totals = worker.benchmark_timers = {}
 
     def timed(name, call):
+        # Both keys from the start: a part never called in one round (heads that did not run)
+        # must still be there, or rounds of fresh engines would not sum (`summarize`).
         totals.setdefault(name, 0.0)
+        totals.setdefault(f"{name}_calls", 0)
 
         def wrapper(*args, **kwargs):
             start = clock.perf_counter()
@@ -193,7 +196,7 @@ def install_step_timers(worker, profile: bool = False):
                 return call(*args, **kwargs)
             finally:
                 totals[name] += clock.perf_counter() - start
-                totals[f"{name}_calls"] = totals.get(f"{name}_calls", 0) + 1
+                totals[f"{name}_calls"] += 1
         return wrapper
 
     parts = {**RUNNER_PARTS, **(PROFILE_RUNNER_PARTS if profile else {})}

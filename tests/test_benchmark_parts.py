@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -10,7 +11,9 @@ from benchmarks import plot, report
 from benchmarks.run import (
     Prompts,
     compare_with_vanilla,
+    install_step_timers,
     load_prompts,
+    read_step_timers,
     repetition_ratio,
     request_inputs,
     step_breakdown,
@@ -90,6 +93,19 @@ def test_rounds_give_the_median_speed_and_per_round_ratios():
     assert results["ours"]["1"]["mismatches"] == [0, 0]  # against vanilla's first round
     assert ours["draft_time_fraction"] == pytest.approx(0.1 / (0.75 * 3.5))
     assert report.speed_cell(results["ours"]["1"], 1) == "8 (2.00x, 1.00–4.00 ≈)"  # rates 16, 4, 8
+
+
+def test_step_timers_have_every_part_before_its_first_call():
+    """Each round of fresh engines installs its own timers; parts a round never called (Clover's
+    heads in an engine that drafted nothing) must still be summed with the other rounds'."""
+    runner = SimpleNamespace(execute_model=lambda: None, sample_tokens=lambda: None,
+                             propose_draft_token_ids=lambda: None)
+    worker = SimpleNamespace(model_runner=runner)
+    install_step_timers(worker)
+    runner.execute_model()
+    timers = read_step_timers(worker)
+    assert timers == {"execute": timers["execute"], "execute_calls": 1, "sample": 0.0, "sample_calls": 0,
+                      "draft": 0.0, "draft_calls": 0}
 
 
 def test_step_breakdown_splits_the_draft_step():
