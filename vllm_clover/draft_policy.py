@@ -28,8 +28,8 @@ the heads' time per number of rows and positions. A batch size not yet measured 
 the nearest measured one's figures (`estimate`); until any is measured the policy drafts
 the full budget, which is also how it measures. Every so often it looks past its plan (one
 draft deeper, or none at all), to re-measure what it no longer does (`Looks`: less often
-while looking does not pay), and at once where one draft deeper has not been measured at a
-batch size near this one (`_measure_deeper`).
+while looking does not pay), and at once where one draft deeper has not been measured at
+this batch size or one a little smaller (`_measure_deeper`).
 
 `fixed` (speculative_config "draft_policy": "fixed") keeps each method's own rule: Clover
 drafts its budget, CLP thresholds its predicted length at tau.
@@ -64,8 +64,8 @@ BUCKETS_PER_OCTAVE = 2
 EXPLORE_AFTER = 200
 EXPLORE_AFTER_MAX = 3200
 EXPLORE_STEPS = 4
-# A step's cost per request read from a batch size this near is trusted; from further (batch 1
-# from 128) it is measured (`GoodputPolicy._measure_deeper`).
+# A step's cost per request read from a batch size up to this much smaller is trusted; from
+# further, or from a larger one, it is measured (`GoodputPolicy._measure_deeper`).
 NEAR_OCTAVES = 2
 LOOK_REFERENCE_STEPS = 64  # the latest steps a look is judged against (its own among them)
 # The cost functions a plan reads (and Clover's depth plan) are rebuilt this often, and at
@@ -335,11 +335,18 @@ class CostsByBatch:
         self.sizes_known += len(model.samples[bucket(n)]) == MIN_SAMPLES
 
     def knows(self, requests: int, n: int) -> bool:
-        """Whether size n has an estimate measured at a batch size within NEAR_OCTAVES of this
-        one (read per request, as `scaled` reads it)."""
+        """Whether size n has an estimate measured at this batch size or one at most
+        NEAR_OCTAVES smaller (read per request, as `scaled` reads it).
+
+        Not from a larger one: a smaller batch is nearer to reading its weights once whatever
+        it runs, so a larger batch's shape read per request makes its drafts look dear, a
+        plan that drafts nothing never measures them, and the error stands (SmolLM2, Clover:
+        after batch 4, where 8 tokens cost 38% more than 4, batch 1 drafted nothing for 300
+        steps, where 1-4 tokens had cost the same). Read the other way the error is
+        optimistic: the plan drafts, and so measures."""
         wanted = bucket(requests)
         for b, model in self.models.items():
-            if abs(b - wanted) <= NEAR_OCTAVES * BUCKETS_PER_OCTAVE:
+            if 0 <= wanted - b <= NEAR_OCTAVES * BUCKETS_PER_OCTAVE:
                 size = n / self._ratio(b, requests) if self.sizes_per_batch else n
                 if len(model.samples.get(bucket(round(size)), ())) >= MIN_SAMPLES:
                     return True
@@ -662,8 +669,9 @@ class GoodputPolicy:
         return one_deeper(plan, budgets)
 
     def _measure_deeper(self, plan: list[int], budgets: list[int], with_heads: bool) -> None:
-        """Begin a look one draft deeper now if no batch size near this one has measured the
-        step it would run (or the heads at its depth), once for each such size. Unmeasured, it is
+        """Begin a look one draft deeper now if neither this batch size nor one a little smaller
+        has measured the step it would run (or the heads at its depth; `CostsByBatch.knows`),
+        once for each such size. Unmeasured, it is
         priced from another batch size's tables (`estimate`), and from a far one that can be
         badly wrong: after a warm-up at batch 128 (compute-bound: every token and position
         costs in proportion) the demo base at batch 1 planned one Clover draft a step, as if
