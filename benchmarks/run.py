@@ -322,8 +322,9 @@ def warm_up(llm, args, prompts: list) -> None:
     it and then looks one draft deeper, which inside the measured steps counts against it
     (fresh engines measured batch 4 first: CLP drafted 0.38 tokens a step there and ran
     0.81x plain decoding). A server running for hours pays that once. Largest first, as a
-    server meets a quiet spell after a busy one: Clover's policy then stops drafting at batch
-    1 (README, the warmed fresh-engines run), which a run that met batch 1 first hid."""
+    server meets a quiet spell after a busy one: Clover's policy then stopped drafting at
+    batch 1 (the batch-1 trap, benchmarks/results/policy/HISTORY.md), which a run that met
+    batch 1 first hid."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, max_tokens=min(WARM_UP_TOKENS, args.max_tokens),
