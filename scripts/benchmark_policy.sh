@@ -3,7 +3,7 @@
 # Clover and CLP with the goodput policy (default) and the fixed one, batch 1 / 4 / 16 / 64,
 # 3 rounds, each with its own engines loaded anew (in rotated order) and warmed at every batch
 # size; a second plain engine shows how far two identical engines differ. Run with nothing
-# else on the machine (SmolLM2 ~85 min, the demo base ~25):
+# else on the machine (SmolLM2 ~75 min, the demo base ~20):
 #   scripts/benchmark_policy.sh demo [OUT.json]      # demo base, compiled engines, held-out prompts
 #   scripts/benchmark_policy.sh smollm2 [OUT.json]   # SmolLM2-135M-Instruct, eager engines, Spec-Bench
 # Writes OUT.json (default benchmarks/results/policy/TARGET.json) and the plots next to it.

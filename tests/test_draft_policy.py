@@ -256,12 +256,13 @@ def test_far_from_the_batch_sizes_measured_each_next_draft_is_measured_before_it
 
 
 def test_after_a_compute_bound_batch_two_octaves_up_batch_1_still_measures_its_next_draft():
-    """Clover on SmolLM2 stopped drafting at batch 1 after serving batch 4 (README, the warmed
-    fresh-engines run): a step at batch 4 is compute-bound (8 tokens cost 2x 4), and read per
-    request that prices a batch-1 draft as a second decode, where at batch 1 the target reads
-    its weights once for up to 4 tokens, and the scheduled looks come every EXPLORE_AFTER
-    steps at the soonest. A larger batch's figures are not trusted for the next draft: each
-    is measured at batch 1 before it is priced."""
+    """Clover on SmolLM2 stopped drafting at batch 1 after serving batch 4 (the warmed
+    fresh-engines run, benchmarks/results/policy/HISTORY.md): a step at batch 4 is
+    compute-bound (8 tokens cost 2x 4), and read per request that prices a batch-1 draft as a
+    second decode, where at batch 1 the target reads its weights once for up to 4 tokens, and
+    the scheduled looks come every EXPLORE_AFTER steps at the soonest. A larger batch's
+    figures are not trusted for the next draft: each is measured at batch 1 before it is
+    priced."""
     c = Clock()
     policy = GoodputPolicy(K, clock=c)
     step_time = roofline(memory_bound_tokens=4, seconds=0.010)

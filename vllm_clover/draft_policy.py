@@ -671,14 +671,13 @@ class GoodputPolicy:
     def _measure_deeper(self, plan: list[int], budgets: list[int], with_heads: bool) -> None:
         """Begin a look one draft deeper now if neither this batch size nor one a little smaller
         has measured the step it would run (or the heads at its depth; `CostsByBatch.knows`),
-        once for each such size. Unmeasured, it is
-        priced from another batch size's tables (`estimate`), and from a far one that can be
-        badly wrong: after a warm-up at batch 128 (compute-bound: every token and position
-        costs in proportion) the demo base at batch 1 planned one Clover draft a step, as if
-        each deeper position doubled the heads' time, and a scheduled look came too rarely
-        to learn better in the ~2,000 steps it ran there (0.71x plain decoding; drafting the
-        full budget ran 0.94x). Measured one deeper at a time, the plan climbs only as far as
-        each next draft pays."""
+        once for each such size. Unmeasured, it is priced from another batch size's tables
+        (`estimate`), and from a far one that can be badly wrong: after a warm-up at batch 128
+        (compute-bound: every token and position costs in proportion) the demo base at batch 1
+        planned one Clover draft a step, as if each deeper position doubled the heads' time,
+        and a scheduled look came too rarely to learn better in the ~2,000 steps it ran there
+        (0.71x plain decoding; drafting the full budget ran 0.94x). Measured one deeper at a
+        time, the plan climbs only as far as each next draft pays."""
         if self.looks.now():
             return
         deeper = one_deeper(plan, budgets)
