@@ -271,6 +271,22 @@ def test_after_a_compute_bound_batch_two_octaves_up_batch_1_still_measures_its_n
     assert steps[-10:] == [[3]] * 10  # the 4 tokens a step that reads the weights once runs
 
 
+def test_a_look_one_deeper_begun_at_a_waves_first_step_is_begun_again_at_that_batch_size():
+    """A wave's first step samples one request while the rest wait for their prefill: the
+    look one draft deeper begun there for batch 1 runs at the batch the wave fills to. The
+    demo base's Clover, whose look for batch 1 was spent so in warm-up, drafted nothing for
+    ~340 steps when batch 1 came (its plan read batch 4's compute-bound figures). The size
+    counts as measured once it is, so batch 1 looks again and climbs."""
+    c = Clock()
+    policy = GoodputPolicy(K, clock=c)
+    step_time = roofline(memory_bound_tokens=4, seconds=0.010)
+    run_steps(policy, c, 4, step_time, steps=30, accept=K)
+    run_steps(policy, c, 1, step_time, steps=1, accept=K)  # the next wave's first step,
+    run_steps(policy, c, 4, step_time, steps=30, accept=K)  # where the look runs on
+    steps = run_steps(policy, c, 1, step_time, steps=60, accept=K)
+    assert steps[-10:] == [[3]] * 10  # the 4 tokens a step that reads the weights once runs
+
+
 def test_non_decreasing_pools_violators_by_weight():
     assert non_decreasing(np.array([1.0, 5.0, 3.0, 6.0]), [1, 1, 3, 1]).tolist() == [1.0, 3.5, 3.5, 6.0]
     assert non_decreasing(np.array([2.0, 1.0]), [1, 1]).tolist() == [1.5, 1.5]

@@ -41,7 +41,7 @@ import functools
 import math
 import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Callable
 
 import numpy as np
@@ -67,6 +67,10 @@ EXPLORE_STEPS = 4
 # A step's cost per request read from a batch size up to this much smaller is trusted; from
 # further, or from a larger one, it is measured (`GoodputPolicy._measure_deeper`).
 NEAR_OCTAVES = 2
+# A look begun one draft deeper where a size is unmeasured runs again while the size stays
+# unmeasured, until this many of such looks' steps ran at the size's own batch size: steps
+# that carry prefill chunks never reach the decode tables, and may be all there is.
+DEEPER_LOOK_STEPS = 2 * EXPLORE_STEPS
 LOOK_REFERENCE_STEPS = 64  # the latest steps a look is judged against (its own among them)
 # The cost functions a plan reads (and Clover's depth plan) are rebuilt this often, and at
 # once for another batch size or a size newly measured: building them takes medians over
@@ -488,6 +492,9 @@ class Looks:
         self._since = 0   # steps since the last look began
         self._left = 0    # steps of the current look still to run
         self.without_drafts = True  # the current (or last) look's kind: no drafts, or one more
+        # The (table, batch bucket, size bucket) keys the current look measures, where it
+        # was begun for them (`GoodputPolicy._measure_deeper`); empty in a scheduled look.
+        self.measuring: list[tuple[str, int, int]] = []
         # The latest planned and look steps: (batch-size bucket, a look's, tokens out, seconds).
         self._steps: deque[tuple[int, bool, int, float]] = deque(maxlen=LOOK_REFERENCE_STEPS)
 
@@ -497,9 +504,10 @@ class Looks:
     def step_done(self, requests: int, looked: bool, tokens_out: int, seconds: float) -> None:
         self._steps.append((bucket(requests), looked, tokens_out, seconds))
 
-    def start_deeper(self) -> None:
-        """Begin a look one draft deeper now, whatever the interval (`GoodputPolicy._measure_deeper`)."""
-        self._since, self._left, self.without_drafts = 0, EXPLORE_STEPS, False
+    def start_deeper(self, measuring: list[tuple[str, int, int]]) -> None:
+        """Begin a look one draft deeper now, whatever the interval, to measure the keys
+        `measuring` (`GoodputPolicy._measure_deeper`)."""
+        self._since, self._left, self.without_drafts, self.measuring = 0, EXPLORE_STEPS, False, measuring
 
     def next_step(self) -> None:
         """Once a step, after the last step's outcome is in: judge a look that just ended,
@@ -507,10 +515,12 @@ class Looks:
         if self._left:
             self._left -= 1
             if not self._left:
+                self.measuring = []
                 self._judge()
         self._since += 1
         if self._since >= self.interval:
             self._since, self._left, self.without_drafts = 0, EXPLORE_STEPS, not self.without_drafts
+            self.measuring = []
 
     def _judge(self) -> None:
         looked = [step for step in self._steps if step[1]][-EXPLORE_STEPS:]
@@ -549,8 +559,9 @@ class GoodputPolicy:
         self._running: set[str] = set()  # the requests of the last step
         self.looks = Looks()
         self._looked: bool | None = None  # this step's lengths: a look's (True), planned (False), neither (None)
-        # (table, batch bucket, size bucket): each found measured, or a look was begun for (`_measure_deeper`)
+        # (table, batch bucket, size bucket): each found measured, or looked at long enough (`_measure_deeper`)
         self._deeper_measured: set[tuple[str, int, int]] = set()
+        self._deeper_look_steps: Counter[tuple[str, int, int]] = Counter()  # per key: look steps at its batch
         self._last_step_start: float | None = None
         self._steps = 0
         # with heads or not -> (step built, (tokens, rows, sizes known) built for, the cost functions)
@@ -590,6 +601,8 @@ class GoodputPolicy:
             costs.observe(len(req_ids), num_tokens, seconds - self._heads_seconds, look=bool(self._looked))
             if self._looked is not None:
                 self.looks.step_done(len(req_ids), self._looked, len(accepted) + sum(accepted.values()), seconds)
+            if self._looked:
+                self._deeper_look_steps.update(key for key in self.looks.measuring if key[1] == bucket(len(req_ids)))
         self.looks.next_step()
         self._steps += 1
         self._last_step_start, self._heads_seconds, self._heads_run, self._looked = now, 0.0, 0, None
@@ -670,14 +683,20 @@ class GoodputPolicy:
 
     def _measure_deeper(self, plan: list[int], budgets: list[int], with_heads: bool) -> None:
         """Begin a look one draft deeper now if neither this batch size nor one a little smaller
-        has measured the step it would run (or the heads at its depth; `CostsByBatch.knows`),
-        once for each such size. Unmeasured, it is priced from another batch size's tables
-        (`estimate`), and from a far one that can be badly wrong: after a warm-up at batch 128
-        (compute-bound: every token and position costs in proportion) the demo base at batch 1
-        planned one Clover draft a step, as if each deeper position doubled the heads' time,
-        and a scheduled look came too rarely to learn better in the ~2,000 steps it ran there
-        (0.71x plain decoding; drafting the full budget ran 0.94x). Measured one deeper at a
-        time, the plan climbs only as far as each next draft pays."""
+        has measured the step it would run (or the heads at its depth; `CostsByBatch.knows`).
+        Unmeasured, it is priced from another batch size's tables (`estimate`), and from a
+        far one that can be badly wrong: after a warm-up at batch 128 (compute-bound: every
+        token and position costs in proportion) the demo base at batch 1 planned one Clover
+        draft a step, as if each deeper position doubled the heads' time, and a scheduled look
+        came too rarely to learn better in the ~2,000 steps it ran there (0.71x plain decoding;
+        drafting the full budget ran 0.94x). Measured one deeper at a time, the plan climbs
+        only as far as each next draft pays.
+
+        A size counts as measured once its table knows it, not once a look began for it: a
+        look begun at a wave's first step (one request sampled, the rest queued for prefill)
+        runs at the batch size the wave fills to, and the demo base's Clover, whose look for
+        batch 1 was spent so in warm-up, then drafted nothing for ~340 steps at batch 1. It
+        gives up on a size after DEEPER_LOOK_STEPS look steps at its batch size."""
         if self.looks.now():
             return
         deeper = one_deeper(plan, budgets)
@@ -686,14 +705,17 @@ class GoodputPolicy:
         sizes = [("step", self.step_costs, self.base_tokens, self.base_tokens + sum(deeper))]
         if with_heads:
             sizes.append(("heads", self.heads_costs, self._rows, max(deeper)))
-        unmeasured = False
+        unmeasured = []
         for name, table, requests, n in sizes:
             key = (name, bucket(requests), bucket(n))
-            if key not in self._deeper_measured:
+            if key in self._deeper_measured:
+                continue
+            if table.knows(requests, n) or self._deeper_look_steps[key] >= DEEPER_LOOK_STEPS:
                 self._deeper_measured.add(key)  # a size measured stays so (tables only grow)
-                unmeasured |= not table.knows(requests, n)
+            else:
+                unmeasured.append(key)
         if unmeasured:
-            self.looks.start_deeper()
+            self.looks.start_deeper(unmeasured)
 
     def _chain_rates(self) -> np.ndarray | None:
         """`AcceptanceModel.chain_rates`, recomputed every COSTS_REFRESH_STEPS steps: ~0.2 ms
