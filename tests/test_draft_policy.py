@@ -331,6 +331,20 @@ def test_policy_drafts_at_low_load_and_stops_at_high_load():
     assert all(sum(s) == 0 for s in high[-10:])  # the heads do not even run
 
 
+def test_the_summary_shows_each_confidence_bins_served_counts_beside_its_planned_rate():
+    c = Clock()
+    policy = GoodputPolicy(K, clock=c)
+    run_steps(policy, c, 4, roofline(), steps=30, confidence=0.85, accept=1)
+    summary = policy.summary()
+    bins = summary["by_position_and_confidence_bin"]
+    judged, accepted = np.array(bins["judged"]), np.array(bins["accepted"])
+    assert judged.sum(1).tolist() == summary["judged_drafts_per_position"]
+    assert judged[0, 8] > 0 and judged.sum() == judged[:, 8].sum()  # every draft at confidence 0.85
+    assert accepted[0, 8] == judged[0, 8] and accepted[1:].sum() == 0  # the first draft accepted, never the second
+    rates = np.array(bins["rate_planned_with"])
+    assert rates.shape == (K, 10) and rates[0, 8] > 0.9 > 0.2 > rates[1, 8]
+
+
 def test_under_steady_arrivals_every_step_carries_a_prefill_and_still_counts():
     """An open-loop server: each step one request finishes, a new one arrives and its
     prefill chunk (50 tokens) rides along. The policy measures those steps (else it would

@@ -748,7 +748,9 @@ class GoodputPolicy:
 
     def summary(self) -> dict:
         """The policy's models, for the benchmark JSON: the step-time and heads-time tables
-        and the calibrated acceptance."""
+        and the calibrated acceptance, with its served counts per (position, confidence bin)
+        beside the rates the plans read (an over-rated bin makes the policy draft rows that
+        then fail)."""
         chain = self.acceptance.chain_rates()
         return {
             "step_seconds_by_requests_and_tokens": self.step_costs.as_dict(),
@@ -756,6 +758,11 @@ class GoodputPolicy:
             "heads_seconds_by_rows_and_positions": self.heads_costs.as_dict(),
             "acceptance_rate_per_position_given_earlier": None if chain is None else chain.round(4).tolist(),
             "judged_drafts_per_position": self.acceptance.tried.sum(1).astype(int).tolist(),
+            "by_position_and_confidence_bin": {
+                "judged": self.acceptance.tried.astype(int).tolist(),
+                "accepted": self.acceptance.accepted.astype(int).tolist(),
+                "rate_planned_with": self.acceptance.calibrated().round(4).tolist(),
+            },
             "look_interval_steps": self.looks.interval,
         }
 
