@@ -520,7 +520,6 @@ class Looks:
         self._since += 1
         if self._since >= self.interval:
             self._since, self._left, self.without_drafts = 0, EXPLORE_STEPS, not self.without_drafts
-            self.measuring = []
 
     def _judge(self) -> None:
         looked = [step for step in self._steps if step[1]][-EXPLORE_STEPS:]
