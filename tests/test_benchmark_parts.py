@@ -11,6 +11,7 @@ from benchmarks import plot, report
 from benchmarks.run import (
     Prompts,
     compare_with_vanilla,
+    cpu_model,
     install_step_timers,
     load_prompts,
     read_step_timers,
@@ -70,6 +71,17 @@ def test_metrics():
     assert repetition_ratio([1, 2, 3, 4, 5, 6]) == 0.0
     assert repetition_ratio([7, 7, 7, 7, 7, 7]) == pytest.approx(2 / 3)  # 3 four-grams, 2 seen before
     assert token_mismatches([[1, 2, 3], [1, 2]], [[1, 2, 3], [1, 9, 3]]) == [0, 2]
+
+
+def test_results_name_the_cpu_and_its_speed_deciding_instruction_sets(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Xeon X\nflags\t\t: fpu avx2 amx_tile sse4_2\n\n"
+                       "processor\t: 1\nmodel name\t: Xeon X\nflags\t\t: fpu avx2 amx_tile sse4_2\n")
+    machine = {"processor": "x86_64", **cpu_model(cpuinfo)}
+    assert machine["cpu_flags"] == ["avx2", "amx_tile"]
+    assert report.machine_text(machine) == "Xeon X (x86_64; avx2, amx_tile)"
+    assert cpu_model(tmp_path / "absent") == {}
+    assert report.machine_text({"processor": "x86_64"}) == "x86_64"  # results written before the CPU was
 
 
 def a_round(seconds: float, outputs: list[list[int]], draft: float = 0.0) -> dict:
