@@ -66,7 +66,7 @@ def markdown(report: dict, results_file: Path, brief: bool = False) -> str:
         grid(results, speed_cell),
         "**Mean acceptance length** (1 + accepted / drafts, over the steps that drafted) and, in brackets, "
         "**output tokens per engine step / batch size** (prefill steps, and steps after some requests of a "
-        "wave finished, included):",
+        + ("round's last requests" if report.get("batching") == "concurrency" else "wave") + " finished, included):",
         grid(results, lambda r, b: f"{r.get('mean_acceptance_length', 1):.2f} ({r['tokens_per_step'] / b:.2f})", spec),
         "**Draft step's share of engine step time:**",
         grid(results, lambda r, b: f"{100 * r['draft_time_fraction']:.0f}%", spec),

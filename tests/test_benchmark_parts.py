@@ -12,6 +12,7 @@ from benchmarks.run import (
     Prompts,
     compare_with_vanilla,
     cpu_model,
+    generate_at_concurrency,
     install_step_timers,
     load_prompts,
     read_step_timers,
@@ -82,6 +83,40 @@ def test_results_name_the_cpu_and_its_speed_deciding_instruction_sets(tmp_path):
     assert report.machine_text(machine) == "Xeon X (x86_64; avx2, amx_tile)"
     assert cpu_model(tmp_path / "absent") == {}
     assert report.machine_text({"processor": "x86_64"}) == "x86_64"  # results written before the CPU was
+
+
+class StepsEngine:
+    """An engine's request interface as generate_at_concurrency drives it: request `bench-i`
+    finishes after (i * 5) % 3 + 1 steps with output [i]; vLLM's own ids carry a suffix."""
+
+    def __init__(self):
+        self.running: dict[str, int] = {}
+        self.most_in_flight = 0
+        self.steps = 0
+
+    def add_request(self, request_id, prompt, params):
+        self.running[f"{request_id}-x"] = (prompt * 5) % 3 + 1
+        self.most_in_flight = max(self.most_in_flight, len(self.running))
+        return f"{request_id}-x"
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def step(self):
+        self.running = {r: left - 1 for r, left in self.running.items()}
+        done = [r for r, left in self.running.items() if left == 0]
+        for r in done:
+            del self.running[r]
+        self.steps += 1
+        return [SimpleNamespace(request_id=r, finished=True,
+                                outputs=[SimpleNamespace(token_ids=[int(r.split("-")[1])])]) for r in done]
+
+
+def test_requests_run_at_the_batch_size_each_replaced_as_it_finishes_and_come_back_in_prompt_order():
+    llm = SimpleNamespace(llm_engine=StepsEngine())
+    assert generate_at_concurrency(llm, list(range(7)), 3, params=None) == [[i] for i in range(7)]
+    assert llm.llm_engine.most_in_flight == 3
+    assert llm.llm_engine.steps == 5  # waves of 3 would take 3 + 3 + 1 steps
 
 
 def a_round(seconds: float, outputs: list[list[int]], draft: float = 0.0) -> dict:
@@ -208,13 +243,13 @@ def test_fresh_engines_are_loaded_for_every_round_in_a_rotated_order(tmp_path, m
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # run.main sets it; restored after the test
     started, start_engine = [], run.start_engine
     monkeypatch.setattr(run, "start_engine", lambda method, *a: started.append(method) or start_engine(method, *a))
-    result = run.main(["--methods", "vanilla,vanilla-2", "--batch-sizes", "1,2", "--num-prompts", "2",
+    result = run.main(["--methods", "vanilla,vanilla-2", "--batch-sizes", "1,2", "--num-prompts", "2,3",
                        "--max-tokens", "6", "--rounds", "2", "--fresh-engines", "--enforce-eager",
                        "--out", str(tmp_path / "r.json")], summary=False)
     assert started == ["vanilla", "vanilla-2", "vanilla-2", "vanilla"] and result["failed"] == {}
-    for batch in ("1", "2"):
+    for batch, prompts in (("1", 2), ("2", 3)):  # at batch 2 the third prompt replaces the first to finish
         second = result["results"]["vanilla-2"][batch]
-        assert second["rounds"] == 2 and second["rounds_agree"] and second["mismatches"] == [0, 0]
+        assert second["rounds"] == 2 and second["rounds_agree"] and second["mismatches"] == [0] * prompts
         low, high = second["speedup_range"]
         assert low <= second["speedup_over_vanilla"] <= high
 
