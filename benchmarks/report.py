@@ -65,8 +65,10 @@ def markdown(report: dict, results_file: Path, brief: bool = False) -> str:
         speed_caption(results),
         grid(results, speed_cell),
         "**Mean acceptance length** (1 + accepted / drafts, over the steps that drafted) and, in brackets, "
-        "**output tokens per engine step / batch size** (prefill steps, and steps after some requests of a "
-        + ("round's last requests" if report.get("batching") == "concurrency" else "wave") + " finished, included):",
+        "**output tokens per engine step / batch size** (prefill steps, and "
+        + ("a round's last steps, run by fewer requests once no prompt is left to admit"
+           if report.get("batching") == "concurrency" else "steps after some requests of a wave finished")
+        + ", included):",
         grid(results, lambda r, b: f"{r.get('mean_acceptance_length', 1):.2f} ({r['tokens_per_step'] / b:.2f})", spec),
         "**Draft step's share of engine step time:**",
         grid(results, lambda r, b: f"{100 * r['draft_time_fraction']:.0f}%", spec),

@@ -456,7 +456,8 @@ def generate_at_concurrency(llm, prompts: list, concurrency: int, params) -> lis
 
     def admit() -> None:
         for i, prompt in itertools.islice(pending, 1):
-            index[f"bench-{i}"] = index[engine.add_request(f"bench-{i}", prompt, params)] = i
+            index[f"bench-{i}"] = i
+            index[engine.add_request(f"bench-{i}", prompt, params)] = i
 
     for _ in range(concurrency):
         admit()
