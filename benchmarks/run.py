@@ -232,6 +232,7 @@ def drafting_since(before: dict | None, after: dict | None) -> dict | None:
     grown = counters_since(before["stats"], after["stats"])
     rows = max(grown["rows"], 1)
     return {"draft_tokens_per_request_step": grown["drafted"] / rows,
+            "draft_tokens_per_request_step_by_source": {k: n / rows for k, n in grown["drafted_by"].items()},
             "requests_drafting_at_least": [n / rows for n in grown["per_position"]],
             "steps_without_drafts_fraction": grown["steps_without_drafts"] / max(grown["steps"], 1),
             "stats": grown, "policy": after["policy"]}

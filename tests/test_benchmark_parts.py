@@ -281,6 +281,11 @@ def test_interleaved_rounds_with_profile_in_real_engines(tmp_path, monkeypatch):
     assert "draft.augmenting_block" not in result["results"]["vanilla"]["1"]["step_seconds"]
     # What our heads drafted: all 4 every step with the fixed policy; the goodput policy's models.
     assert fixed["drafting"]["draft_tokens_per_request_step"] == 4.0 and fixed["drafting"]["policy"] is None
+    assert fixed["drafting"]["draft_tokens_per_request_step_by_source"] == {"rule": 4.0, "plan": 0.0, "look": 0.0,
+                                                                            "deeper_look": 0.0}
+    by_source = goodput["drafting"]["draft_tokens_per_request_step_by_source"]
+    assert by_source["rule"] == 0 and sum(by_source.values()) == pytest.approx(
+        goodput["drafting"]["draft_tokens_per_request_step"])
     assert "drafting" not in medusa
     policy = goodput["drafting"]["policy"]
     assert policy["step_seconds_by_requests_and_tokens"] and sum(policy["judged_drafts_per_position"]) > 0

@@ -19,6 +19,7 @@ from vllm_clover.draft_policy import (
     AcceptanceModel,
     CostModel,
     CostsByBatch,
+    DraftStats,
     GoodputPolicy,
     Looks,
     SharedDecisions,
@@ -26,6 +27,7 @@ from vllm_clover.draft_policy import (
     calibration_counts,
     check_policy,
     estimate,
+    first_draft_threshold,
     non_decreasing,
     plan_lengths,
 )
@@ -62,6 +64,61 @@ def test_honours_each_budget_and_k():
     rates = np.full((3, K), 0.99)
     assert plan_lengths(rates, [4, 2, 0], base_tokens=3, step_time=lambda n: np.ones_like(n, dtype=float)) \
         == [4, 2, 0]
+
+
+@pytest.mark.parametrize("rows, memory_bound_tokens, heads_seconds", [(1, 8, 0.002), (4, 4, 0.001), (16, 8, 0.0),
+                                                                       (64, 8, 0.003), (64, 128, 0.0)])
+def test_below_the_first_draft_threshold_no_plan_drafts(rows, memory_bound_tokens, heads_seconds):
+    """The shortcut that skips planning where nothing pays never changes a plan."""
+    step_time = roofline(memory_bound_tokens, seconds=0.010)
+    heads_time = (lambda depth: heads_seconds * np.asarray(depth)) if heads_seconds else None
+    threshold = first_draft_threshold(rows, K, rows, step_time, heads_time)
+    rng = np.random.default_rng(rows)
+    for _ in range(20):
+        rates = rng.uniform(0, 1, (rows, K)) * [min(0.999 * threshold, 1), 1, 1, 1]
+        rates[rng.integers(rows), 1:] = 1.0  # one row sure of every later draft
+        assert plan_lengths(rates, [K] * rows, rows, step_time, heads_time) == [0] * rows
+
+
+def test_the_first_draft_threshold_is_tight():
+    """Rows whose later drafts are sure (every marginal equal to the first rate) draft just
+    above it: a step whose every token costs a tenth of an empty step's."""
+    step_time = lambda n: 0.010 + 0.001 * np.asarray(n, dtype=np.float64)  # noqa: E731
+    threshold = first_draft_threshold(16, K, 16, step_time)
+    assert 0 < threshold < 1
+    sure_later = np.tile([threshold * 1.001, 1.0, 1.0, 1.0], (16, 1))
+    assert sum(plan_lengths(sure_later, [K] * 16, 16, step_time)) > 0
+
+
+def test_a_policy_skipping_plans_below_the_threshold_decides_as_one_that_plans_every_step(monkeypatch):
+    """Served step by step at batch 8 with rows of random confidence, on a target where a
+    draft pays only for the likeliest rows: the same lengths every step, with the shortcut
+    and with a plan run every step."""
+    from vllm_clover import draft_policy
+
+    plans = []
+    monkeypatch.setattr(draft_policy, "plan_lengths", lambda *args: plans.append(1) or plan_lengths(*args))
+
+    def serve() -> list[list[int]]:
+        plans.clear()
+        c, rng = Clock(), np.random.default_rng(0)
+        policy, ids, chosen, drafted = GoodputPolicy(K, clock=c), [f"r{i}" for i in range(8)], [], [0] * 8
+        for _ in range(400):
+            tokens = 8 + sum(drafted)
+            c.now += 0.010 + 0.004 * tokens
+            policy.observe_step(tokens, ids, dict(zip(ids, drafted)),
+                                {r: int(rng.integers(0, n + 1)) for r, n in zip(ids, drafted)})
+            drafted = policy.lengths(rng.beta(2, 2, (8, K)), [K] * 8, heads_to_run=True)
+            policy.heads_timed(0.0005 * max(drafted))
+            policy.end_step(ids)
+            chosen.append(drafted)
+        return chosen
+
+    with_shortcut, planned_with_shortcut = serve(), len(plans)
+    monkeypatch.setattr(draft_policy, "first_draft_threshold", lambda *args: -1.0)  # never below it
+    assert serve() == with_shortcut
+    assert len(plans) == 400 - 3 > 2 * planned_with_shortcut  # (the first 3 steps measure, unplanned)
+    assert sum(1 for lengths in with_shortcut[100:] if sum(lengths)) > 0  # not a policy that never drafts
 
 
 def test_costly_heads_shorten_the_chain():
@@ -301,8 +358,9 @@ class Clock:
 
 
 def run_steps(policy: GoodputPolicy, clock: Clock, num_requests: int, step_time, steps: int,
-              confidence: float = 0.6, accept: int = 2) -> list[list[int]]:
-    """Drive the policy as the runner hook does, on a simulated engine."""
+              confidence: float = 0.6, accept: int = 2, stats: DraftStats | None = None) -> list[list[int]]:
+    """Drive the policy as the runner hook does, on a simulated engine (and count its drafts
+    in `stats`, as the engine does)."""
     ids, chosen, drafted = [f"r{i}" for i in range(num_requests)], [], [0] * num_requests
     for _ in range(steps):
         tokens = num_requests + sum(drafted)
@@ -318,6 +376,8 @@ def run_steps(policy: GoodputPolicy, clock: Clock, num_requests: int, step_time,
             policy.heads_timed(0.0)
             drafted = [0] * num_requests
         policy.end_step(ids)
+        if stats is not None:
+            stats.record(drafted, policy.decided_by)
         chosen.append(drafted)
     return chosen
 
@@ -385,6 +445,25 @@ def test_a_policy_that_stopped_drafting_looks_one_draft_deeper_less_and_less_oft
     # doubles while looking does not pay
     assert all(steps[i:i + EXPLORE_STEPS] == [[1] * 64] * EXPLORE_STEPS for i in looks)
     assert np.diff(looks).tolist() == [2 * EXPLORE_AFTER, 4 * EXPLORE_AFTER]
+
+
+def test_each_draft_is_counted_by_what_decided_it():
+    """Under load the plan stops drafting; what is drafted after that comes from looks, each
+    EXPLORE_STEPS steps of one draft per request: first the one begun to measure one draft
+    deeper (never measured at batch 64), then the scheduled one EXPLORE_AFTER steps later."""
+    c = Clock()
+    policy, stats = GoodputPolicy(K, clock=c), DraftStats(K)
+    steps = run_steps(policy, c, 64, roofline(), steps=30 + 2 * EXPLORE_AFTER, accept=0, stats=stats)
+    by = stats.as_dict()["drafted_by"]
+    assert sum(by.values()) == stats.drafted == sum(map(sum, steps)) and by["rule"] == 0
+    measured = next(i for i, s in enumerate(steps) if s != [K] * 64)
+    assert by["plan"] == measured * K * 64  # the full budget until the step time is measured
+    look = [1] * 64  # the plan's 0, plus one
+    assert steps[measured:measured + EXPLORE_STEPS] == [look] * EXPLORE_STEPS
+    assert by["deeper_look"] == EXPLORE_STEPS * 64  # once: then batch 64 has measured one deeper
+    scheduled = measured + EXPLORE_AFTER
+    assert steps[scheduled:scheduled + EXPLORE_STEPS] == [look] * EXPLORE_STEPS
+    assert by["look"] == EXPLORE_STEPS * 64  # the next one comes twice as late: none paid
 
 
 def test_a_policy_that_drafts_every_step_looks_at_not_drafting_too():

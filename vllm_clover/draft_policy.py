@@ -439,6 +439,26 @@ def plan_lengths(rates: np.ndarray, budgets: list[int], base_tokens: int, step_t
     return lengths.tolist()
 
 
+# What decided a step's draft lengths (`DraftStats.drafted_by`): the fixed policy's rule, the
+# goodput policy's plan, a scheduled look past it, or a look begun to measure one draft deeper.
+DRAFT_SOURCES = ("rule", "plan", "look", "deeper_look")
+
+
+def first_draft_threshold(rows: int, positions: int, base_tokens: int, step_time, heads_time=None) -> float:
+    """A rate that no row's first draft must reach for `plan_lengths` to draft nothing, for
+    `rows` rows of up to `positions` drafts (its other arguments).
+
+    A plan of N drafts wins only if its expected accepted G(N) > rows (S(N) - S(0)) / S(0),
+    S the step's seconds with them; every marginal is a product of its row's rates, so G(N)
+    <= N a for a the largest first-draft rate. With a below min_N rows (S(N) - S(0)) / (N
+    S(0)), nothing is drafted. The heads' time is taken at its least over their depths."""
+    drafts = np.arange(rows * positions + 1)
+    seconds = step_time(base_tokens + drafts)
+    if heads_time is not None:
+        seconds = seconds + np.where(drafts > 0, heads_time(np.arange(1, positions + 1)).min(), 0.0)
+    return float(np.min(rows * (seconds[1:] - seconds[0]) / (drafts[1:] * seconds[0])))
+
+
 class DraftStats:
     """Running totals of one engine's drafting, whatever the policy: read by benchmarks (as
     differences between two readings) and logged by the engine."""
@@ -447,20 +467,22 @@ class DraftStats:
         self.steps = 0                   # draft steps with at least one request that could draft
         self.rows = 0                    # requests offered drafts, summed over steps
         self.drafted = 0                 # draft tokens proposed
+        self.drafted_by = dict.fromkeys(DRAFT_SOURCES, 0)  # and by what decided them
         self.steps_without_drafts = 0    # steps that offered drafts and proposed none
         self.per_position = [0] * num_positions  # requests given >= j+1 drafts
 
-    def record(self, lengths: list[int]) -> None:
+    def record(self, lengths: list[int], source: str) -> None:
         self.steps += 1
         self.rows += len(lengths)
         self.drafted += sum(lengths)
+        self.drafted_by[source] += sum(lengths)
         self.steps_without_drafts += not any(lengths)
         for n in lengths:
             for j in range(n):
                 self.per_position[j] += 1
 
     def as_dict(self) -> dict:
-        return {"steps": self.steps, "rows": self.rows, "drafted": self.drafted,
+        return {"steps": self.steps, "rows": self.rows, "drafted": self.drafted, "drafted_by": dict(self.drafted_by),
                 "steps_without_drafts": self.steps_without_drafts, "per_position": list(self.per_position)}
 
 
@@ -567,6 +589,7 @@ class GoodputPolicy:
         self._built_costs: dict[bool, tuple[int, tuple[int, int, int], tuple]] = {}
         self._chain: tuple[int, np.ndarray | None] = (0, None)  # (step computed, chain rates)
         self._depth_planned: tuple[tuple | None, list[int]] = (None, [])  # (planned from, plan): `_depth_plan`
+        self._threshold: tuple[tuple | None, float] = (None, 0.0)  # (computed from, rate): `_nothing_pays`
         self._heads_seconds = 0.0
         self._heads_run = 0
         self._rows = 0
@@ -613,6 +636,13 @@ class GoodputPolicy:
             self.acceptance.observe(confidence, judged, np.array([accepted.get(r, 0) for r in drafted_ids]))
         self._pending, self._lengths = None, np.zeros(0, dtype=np.int64)
 
+    @property
+    def decided_by(self) -> str:
+        """What chose this step's lengths (DRAFT_SOURCES): the plan, or a look past it."""
+        if not self._looked:
+            return "plan"
+        return "deeper_look" if self.looks.measuring else "look"
+
     def heads_timed(self, seconds: float) -> None:
         self._heads_seconds = seconds
         if self._heads_run:
@@ -657,7 +687,10 @@ class GoodputPolicy:
         self.acceptance.note_confidence(confidence)
         costs = self._costs(with_heads=heads_to_run)
         if costs is not None:
-            plan = plan_lengths(self.acceptance.rates(confidence), budgets, self.base_tokens, *costs)
+            if self._nothing_pays(confidence, budgets, heads_to_run, costs):
+                plan = [0] * len(budgets)
+            else:
+                plan = plan_lengths(self.acceptance.rates(confidence), budgets, self.base_tokens, *costs)
             self._measure_deeper(plan, budgets, with_heads=heads_to_run)
             lengths = self._look(plan, budgets)
         else:
@@ -666,6 +699,17 @@ class GoodputPolicy:
             self._heads_run = max(lengths, default=0)
         self._confidence, self._lengths = confidence, np.asarray(lengths)
         return lengths
+
+    def _nothing_pays(self, confidence: np.ndarray, budgets: list[int], heads_to_run: bool, costs: tuple) -> bool:
+        """Whether `plan_lengths` would draft nothing, known without running it: no row's first
+        draft beats `first_draft_threshold` (kept until the cost functions are rebuilt or the
+        batch changes). Where drafts do not pay (CLP on SmolLM2 at batch 4-64 drafted in 2-9% of
+        steps) a plan is most of what the policy costs a step, 0.3-0.4 ms in the engine."""
+        key = (self._built_costs[heads_to_run][:2], self.base_tokens, confidence.shape)
+        if self._threshold[0] != key:
+            self._threshold = (key, first_draft_threshold(*confidence.shape, self.base_tokens, *costs))
+        first = self.acceptance.calibrated()[0, AcceptanceModel.bins(confidence[:, 0])]
+        return bool(first.max() < self._threshold[1])
 
     def _look(self, plan: list[int], budgets: list[int]) -> list[int]:
         """`plan`, or in a look the neighbour it tries (`Looks`): no drafts, where the plan

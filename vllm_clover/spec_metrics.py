@@ -67,7 +67,8 @@ def counters_plus(total: dict | None, more: dict | None) -> dict | None:
 
 
 def _elementwise(x: dict, y: dict, op) -> dict:
-    return {key: [op(a, b) for a, b in zip(value, y[key])] if isinstance(value, list) else op(value, y[key])
+    return {key: _elementwise(value, y[key], op) if isinstance(value, dict)
+            else [op(a, b) for a, b in zip(value, y[key])] if isinstance(value, list) else op(value, y[key])
             for key, value in x.items()}
 
 

@@ -252,5 +252,5 @@ class HeadsDraftModel(nn.Module):
                                         self.policy)
             if self.policy is not None:
                 self.policy.heads_timed(time.perf_counter() - start)
-        self.stats.record([len(d) for d in drafts])
+        self.stats.record([len(d) for d in drafts], "rule" if self.policy is None else self.policy.decided_by)
         return drafts
