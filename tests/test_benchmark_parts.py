@@ -289,7 +289,9 @@ def test_interleaved_rounds_with_profile_in_real_engines(tmp_path, monkeypatch):
     assert "drafting" not in medusa
     policy = goodput["drafting"]["policy"]
     assert policy["step_seconds_by_requests_and_tokens"] and sum(policy["judged_drafts_per_position"]) > 0
-    assert "Where a step's time goes" in report.markdown(result, tmp_path / "r.json")
+    markdown = report.markdown(result, tmp_path / "r.json")
+    assert "Where a step's time goes" in markdown and "tokens drafted in looks" in markdown
+    assert "| 4.00 (0%) |" in markdown  # clover-fixed: no policy, so no looks
 
 
 def test_load_arrivals_ramp_with_the_rates_and_repeat_with_the_seed():
