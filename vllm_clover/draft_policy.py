@@ -445,8 +445,8 @@ DRAFT_SOURCES = ("rule", "plan", "look", "deeper_look")
 
 
 def first_draft_threshold(rows: int, positions: int, base_tokens: int, step_time, heads_time=None) -> float:
-    """A rate that no row's first draft must reach for `plan_lengths` to draft nothing, for
-    `rows` rows of up to `positions` drafts (its other arguments).
+    """A rate such that, while no row's first draft reaches it, `plan_lengths` drafts nothing,
+    for `rows` rows of up to `positions` drafts (its other arguments).
 
     A plan of N drafts wins only if its expected accepted G(N) > rows (S(N) - S(0)) / S(0),
     S the step's seconds with them; every marginal is a product of its row's rates, so G(N)
@@ -474,8 +474,9 @@ class DraftStats:
     def record(self, lengths: list[int], source: str) -> None:
         self.steps += 1
         self.rows += len(lengths)
-        self.drafted += sum(lengths)
-        self.drafted_by[source] += sum(lengths)
+        drafted = sum(lengths)
+        self.drafted += drafted
+        self.drafted_by[source] += drafted
         self.steps_without_drafts += not any(lengths)
         for n in lengths:
             for j in range(n):
@@ -687,7 +688,7 @@ class GoodputPolicy:
         self.acceptance.note_confidence(confidence)
         costs = self._costs(with_heads=heads_to_run)
         if costs is not None:
-            if self._nothing_pays(confidence, budgets, heads_to_run, costs):
+            if self._nothing_pays(confidence, heads_to_run, costs):
                 plan = [0] * len(budgets)
             else:
                 plan = plan_lengths(self.acceptance.rates(confidence), budgets, self.base_tokens, *costs)
@@ -700,7 +701,7 @@ class GoodputPolicy:
         self._confidence, self._lengths = confidence, np.asarray(lengths)
         return lengths
 
-    def _nothing_pays(self, confidence: np.ndarray, budgets: list[int], heads_to_run: bool, costs: tuple) -> bool:
+    def _nothing_pays(self, confidence: np.ndarray, heads_to_run: bool, costs: tuple) -> bool:
         """Whether `plan_lengths` would draft nothing, known without running it: no row's first
         draft beats `first_draft_threshold` (kept until the cost functions are rebuilt or the
         batch changes). Where drafts do not pay (CLP on SmolLM2 at batch 4-64 drafted in 2-9% of
