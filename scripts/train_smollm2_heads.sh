@@ -5,7 +5,9 @@
 # EAGLE-1 draft (the peer: the authors' loss, soft targets, full vocabulary as vLLM's EAGLE scores).
 # The base's hidden states are computed once (runs/smollm2-hidden, ~25 min) and shared.
 # Resumable step by step: finished runs are kept, a killed run is resumed.
-#   bash scripts/train_smollm2_heads.sh ablations|ship
+# `chat`: Clover and CLP candidates trained on the templated chats and the user turns SmolLM2
+# wrote itself (scripts/distill_smollm2.sh), into runs/smollm2-chat-heads, measured before they ship.
+#   bash scripts/train_smollm2_heads.sh ablations|ship|chat
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -14,6 +16,12 @@ DATA=assets/smollm2-data
 COMMON=(--base-model "$BASE" --data "$DATA/train-answers.jsonl" --eval-data "$DATA/validation-answers.jsonl"
         --num-heads 4 --max-len 512 --batch-size 8 --seed 0
         --hidden-cache runs/smollm2-hidden/train --compute-dtype bfloat16 --save-dtype bfloat16)
+if [ "${1:-ship}" = chat ]; then  # argparse keeps only the last --data, so the chat mode sets them all here
+    COMMON=(--base-model "$BASE" --data "$DATA/train-answers.jsonl" "$DATA/chat-train-answers.jsonl"
+            --eval-data "$DATA/chat-validation-answers.jsonl"
+            --num-heads 4 --max-len 512 --batch-size 8 --seed 0
+            --hidden-cache runs/smollm2-hidden/train-chat --compute-dtype bfloat16 --save-dtype bfloat16)
+fi
 VOCAB=(--draft-vocab-size 8192)
 [ -f "$BASE/config.json" ] || make real-base
 
@@ -38,5 +46,10 @@ ship)
     train $OUT/clp clp "${VOCAB[@]}" --epochs 2
     train $OUT/medusa medusa "${VOCAB[@]}" --epochs 2
     train $OUT/eagle eagle --soft-targets --epochs 2
+    ;;
+chat)
+    OUT=runs/smollm2-chat-heads
+    train $OUT/clover clover "${VOCAB[@]}" --augment-init identity --epochs 2
+    train $OUT/clp clp "${VOCAB[@]}" --epochs 2
     ;;
 esac

@@ -3,6 +3,7 @@ methods.TABLE: Clover, CLP, Medusa), or evaluate them.
 
     vllm-clover-train clover --base-model BASE --data train.jsonl --out heads/clover --num-heads 4
     vllm-clover-train distill --base-model BASE --data prompts.jsonl --out distilled.jsonl
+    vllm-clover-train self-instruct --base-model CHAT_MODEL --out-dir DIR --count N   (user turns it writes itself)
     vllm-clover-train eval   --heads heads/clover --base-model BASE --data heldout.jsonl --out eval.json
     vllm-clover-train import-gguf --gguf model.gguf --out BASE   (Llama-family GGUF -> HF directory)
     vllm-clover-train card heads/clover [...] [--served RESULTS]   (rewrite a heads directory's model card)
@@ -23,6 +24,7 @@ from pathlib import Path
 from vllm_clover.errors import VllmCloverError
 from vllm_clover.methods import BY_NAME, TABLE, DraftMethod
 from vllm_clover_training.base import DTYPES
+from vllm_clover_training.instructions import SHARED_DATA
 
 
 def _add_dtype(p: argparse.ArgumentParser) -> None:
@@ -104,6 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--distill-prompt-tokens", type=int, default=64)
     ds.add_argument("--distill-new-tokens", type=int, default=256)
     _add_dtype(ds)
+    si = sub.add_parser("self-instruct", help="user turns sampled from a chat model itself (Magpie), to distill")
+    _add_base(si)
+    si.add_argument("--out-dir", type=Path, required=True,
+                    help="writes chat-train.jsonl, chat-validation.jsonl and chat-report.json")
+    si.add_argument("--count", type=int, required=True, help="user turns in all")
+    si.add_argument("--validation", type=int, default=200, help="of them held out for validation")
+    si.add_argument("--seed", type=int, default=0)
+    si.add_argument("--shared-data", type=Path, default=SHARED_DATA,
+                    help="the evaluation prompts turns are decontaminated against (Spec-Bench, MT-Bench)")
+    _add_dtype(si)
     ev = sub.add_parser("eval", help="per-head top-1/top-5 accuracy of a heads checkpoint")
     ev.add_argument("--heads", required=True, help="a heads directory or a Hub repo id")
     ev.add_argument("--heads-revision", default=None, help="with a Hub id: branch, tag or commit (default main)")
@@ -147,6 +159,11 @@ def main(argv: list[str] | None = None) -> None:
 
             result = distill_jsonl(args.base_model, args.base_revision, args.data, args.data_split, args.data_field,
                                    args.out, args.distill_prompt_tokens, args.distill_new_tokens, args.dtype)
+        elif args.command == "self-instruct":
+            from vllm_clover_training.self_instruct import self_instruct
+
+            result = self_instruct(args.base_model, args.base_revision, args.out_dir, args.count, args.validation,
+                                   args.seed, args.dtype, args.shared_data)
         elif args.command == "import-gguf":
             from vllm_clover_training.import_gguf import import_gguf, packaged_gguf
 

@@ -19,11 +19,12 @@ CHUNK = 256  # prompts per generate() call in distill_jsonl: the unit of resumpt
 OUR_FIELDS = ("text", "messages", "conversations")
 
 
-def open_engine(base_dir: Path, dtype: str):
+def open_engine(base_dir: Path, dtype: str, seed: int = 0):
     from vllm import LLM
 
     max_len = min(json.loads((Path(base_dir) / "config.json").read_text())["max_position_embeddings"], 4096)
-    return LLM(model=str(base_dir), dtype=dtype, seed=0, max_model_len=max_len, kv_cache_memory_bytes=2 << 30), max_len
+    llm = LLM(model=str(base_dir), dtype=dtype, seed=seed, max_model_len=max_len, kv_cache_memory_bytes=2 << 30)
+    return llm, max_len
 
 
 def greedy(llm, max_len: int, prompts: list[list[int]], new_tokens: int):

@@ -30,6 +30,7 @@ from vllm_clover_training.stdlib_corpus import read_source, split_sources
 
 SHINGLE = 8  # words: longer shared runs than this count as contamination
 EVAL_FILES = ("spec_bench_questions.jsonl", "mt_bench_questions.jsonl")
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # where EVAL_FILES are, beside the repo
 
 # ---- material from the standard library ----
 
@@ -281,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", type=Path, required=True)
-    parser.add_argument("--shared-data", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data")
+    parser.add_argument("--shared-data", type=Path, default=SHARED_DATA)
     parser.add_argument("--validation", type=int, default=200, help="instructions held out for validation")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
