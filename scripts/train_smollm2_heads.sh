@@ -5,8 +5,9 @@
 # EAGLE-1 draft (the peer: the authors' loss, soft targets, full vocabulary as vLLM's EAGLE scores).
 # The base's hidden states are computed once (runs/smollm2-hidden, ~25 min) and shared.
 # Resumable step by step: finished runs are kept, a killed run is resumed.
-# `chat`: Clover and CLP candidates trained on the templated chats and the user turns SmolLM2
-# wrote itself (scripts/distill_smollm2.sh), into runs/smollm2-chat-heads, measured before they ship.
+# `chat`: Clover and CLP candidates trained the same way on the user turns SmolLM2 wrote itself
+# (self-instruct, scripts/distill_smollm2.sh) alone, into runs/smollm2-chat-heads: measured
+# against the shipped heads before anything ships.
 #   bash scripts/train_smollm2_heads.sh ablations|ship|chat
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,11 +17,10 @@ DATA=assets/smollm2-data
 COMMON=(--base-model "$BASE" --data "$DATA/train-answers.jsonl" --eval-data "$DATA/validation-answers.jsonl"
         --num-heads 4 --max-len 512 --batch-size 8 --seed 0
         --hidden-cache runs/smollm2-hidden/train --compute-dtype bfloat16 --save-dtype bfloat16)
-if [ "${1:-ship}" = chat ]; then  # argparse keeps only the last --data, so the chat mode sets them all here
-    COMMON=(--base-model "$BASE" --data "$DATA/train-answers.jsonl" "$DATA/chat-train-answers.jsonl"
-            --eval-data "$DATA/chat-validation-answers.jsonl"
+if [ "${1:-ship}" = chat ]; then  # the shipped recipe on the self-instructed chats alone
+    COMMON=(--base-model "$BASE" --data "$DATA/chat-train-answers.jsonl" --eval-data "$DATA/chat-validation-answers.jsonl"
             --num-heads 4 --max-len 512 --batch-size 8 --seed 0
-            --hidden-cache runs/smollm2-hidden/train-chat --compute-dtype bfloat16 --save-dtype bfloat16)
+            --hidden-cache runs/smollm2-hidden/chat-train --compute-dtype bfloat16 --save-dtype bfloat16)
 fi
 VOCAB=(--draft-vocab-size 8192)
 [ -f "$BASE/config.json" ] || make real-base
