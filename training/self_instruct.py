@@ -35,7 +35,7 @@ TOP_P = 0.99
 MAX_TURN_TOKENS = 160
 MIN_CHARS, MAX_CHARS = 16, 1500
 ROUND = 512                # turns sampled per generate() call, at most
-MAX_ROUNDS_PER_TURN = 4    # give up after sampling this many times the turns asked for
+MAX_SAMPLES_PER_TURN = 4   # give up after sampling this many times the turns asked for
 SENTINEL = "\x00user-turn\x00"
 
 
@@ -76,8 +76,8 @@ def keep_turns(samples: list[tuple[str, bool]], seen: set[str], evaluation: list
 
 
 def sample_turns(base_dir: Path, count: int, seed: int, dtype: str, evaluation: list[str]) -> tuple[list[str], dict]:
-    """`count` kept user turns (`keep_turns`, then decontaminated), and how many were sampled
-    and dropped for what."""
+    """`count` user turns that `keep_turns` kept, and how many were sampled and how many of
+    them dropped as contaminated."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
@@ -87,7 +87,7 @@ def sample_turns(base_dir: Path, count: int, seed: int, dtype: str, evaluation: 
     seen: set[str] = set()
     turns: list[str] = []
     sampled = contaminated = 0
-    while len(turns) < count and sampled < MAX_ROUNDS_PER_TURN * count:
+    while len(turns) < count and sampled < MAX_SAMPLES_PER_TURN * count:
         wanted = min(ROUND, 2 * (count - len(turns)))  # most samples are kept: a few turns take one small round
         outputs = llm.generate([prefix] * wanted, params, use_tqdm=False)
         sampled += wanted
