@@ -10,6 +10,7 @@ import pytest
 
 from vllm_clover_training import data as data_mod
 from vllm_clover_training.cli import main
+from vllm_clover_training.instructions import EVAL_FILES
 from vllm_clover_training.self_instruct import MAX_CHARS, keep_turns, user_turn_prefix
 
 
@@ -32,6 +33,16 @@ def test_only_ended_new_clean_turns_of_a_sane_length_are_kept():
     assert "write a haiku about autumn rain." in seen
 
 
+@pytest.fixture
+def shared_data(tmp_path):
+    """Evaluation prompts to decontaminate against, as the shared Spec-Bench and MT-Bench files hold them."""
+    folder = tmp_path / "shared-data"
+    folder.mkdir()
+    for name in EVAL_FILES:
+        (folder / name).write_text(json.dumps({"turns": ["Compose an engaging travel blog post about Hawaii."]}) + "\n")
+    return folder
+
+
 def test_the_prefix_is_smollm2s_template_up_to_the_user_text(real_base):
     from transformers import AutoTokenizer
 
@@ -39,11 +50,19 @@ def test_the_prefix_is_smollm2s_template_up_to_the_user_text(real_base):
     assert prefix.startswith("<|im_start|>system\n") and prefix.endswith("<|im_end|>\n<|im_start|>user\n")
 
 
-def test_a_model_without_a_chat_template_is_refused_before_anything_is_written(demo_base, tmp_path):
+def test_a_model_without_a_chat_template_is_refused_before_anything_is_written(demo_base, tmp_path, shared_data):
     out = tmp_path / "chats"
     with pytest.raises(SystemExit, match="has no chat template: self-instruct needs a chat model"):
         main(["self-instruct", "--base-model", str(demo_base), "--out-dir", str(out), "--count", "4",
-              "--validation", "1"])
+              "--validation", "1", "--shared-data", str(shared_data)])
+    assert not out.exists()
+
+
+def test_missing_evaluation_prompts_are_named(real_base, tmp_path):
+    out = tmp_path / "chats"
+    with pytest.raises(SystemExit, match=r"--shared-data .*: no spec_bench_questions.jsonl, mt_bench_questions.jsonl"):
+        main(["self-instruct", "--base-model", str(real_base), "--out-dir", str(out), "--count", "4",
+              "--validation", "1", "--shared-data", str(tmp_path / "nowhere")])
     assert not out.exists()
 
 
@@ -54,9 +73,9 @@ def test_validation_must_leave_training_turns(real_base, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_smollm2_writes_turns_that_distill_reads(real_base, tmp_path):
+def test_smollm2_writes_turns_that_distill_reads(real_base, tmp_path, shared_data):
     main(["self-instruct", "--base-model", str(real_base), "--out-dir", str(tmp_path), "--count", "6",
-          "--validation", "2", "--seed", "1"])
+          "--validation", "2", "--seed", "1", "--shared-data", str(shared_data)])
     report = json.loads((tmp_path / "chat-report.json").read_text())
     assert (report["train"], report["validation"], report["kept"]) == (4, 2, 6)
     assert report["sampled"] >= 6
