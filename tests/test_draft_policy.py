@@ -234,12 +234,16 @@ def test_step_cost_interpolates_and_guesses_the_unmeasured_side_cheap():
     predicted = cost.predict(np.array([1, 4, 10, 16, 64]))
     assert predicted[1] == pytest.approx(0.010) and predicted[3] == pytest.approx(0.022)
     assert predicted[2] == pytest.approx(0.016)        # linear in tokens between buckets
-    assert predicted[4] == pytest.approx(0.022)        # beyond: flat, so drafting gets tried
+    assert predicted[4] == pytest.approx(0.070)        # beyond: on at the last slope (1 ms a token), the least it costs
     assert predicted[0] == pytest.approx(0.0025)       # below: in proportion, so not drafting gets tried
     cost.observe(4, 10.0)  # the engine sat idle: not a step's cost (the median of its bucket)
     assert cost.predict(np.array([4]))[0] == pytest.approx(0.010)
     cost.observe(32, 1.0)  # one sample is not yet an estimate
-    assert cost.predict(np.array([32]))[0] == pytest.approx(0.022)
+    assert cost.predict(np.array([32]))[0] == pytest.approx(0.038)
+    one_size = CostModel()
+    for _ in range(3):
+        one_size.observe(4, 0.010)
+    assert one_size.predict(np.array([16]))[0] == pytest.approx(0.010)  # no slope yet: flat, so drafting gets tried
     for _ in range(3):  # noise, or a bucket measured under another load: outvoted by its neighbour
         cost.observe(8, 0.005)
     assert cost.predict(np.array([4]))[0] == pytest.approx(cost.predict(np.array([8]))[0])
@@ -284,6 +288,24 @@ def test_an_unmeasured_batch_size_is_read_per_request_from_its_nearest_neighbour
     for _ in range(3):
         prefill.observe(6, 70, 0.050)
     assert estimate(6, [steps, prefill])(np.array([70]))[0] == pytest.approx(0.050)  # its own size first
+
+
+def test_a_step_seen_rising_is_not_priced_flat_past_its_largest_measured_size():
+    """SmolLM2 at batch 4 had measured 4- and 8-token steps (2 ms a token) and batch 1 flat
+    over 1-4 tokens: read per request, batch 1 said 8-16 tokens cost alike at batch 4, so
+    every draft past the first per row looked free and rows accepted at 11-19% drafted the
+    full budget. Past its largest size a batch size's step keeps its last slope."""
+    steps = CostsByBatch(sizes_per_batch=True)
+    for _ in range(3):
+        steps.observe(4, 4, 0.070)
+        steps.observe(4, 8, 0.078)
+        for n in (1, 2, 3, 4):
+            steps.observe(1, n, 0.060 if n > 1 else 0.057)
+    at_4 = estimate(4, [steps])
+    assert at_4(np.array([8, 12, 16])).tolist() == pytest.approx([0.078, 0.086, 0.094])
+    rates = np.full((4, K), 0.12)
+    assert plan_lengths(rates, [K] * 4, 4, at_4) == [1, 1, 1, 1]  # flat past 8 tokens: [4, 4, 4, 4]
+    assert plan_lengths(np.full((4, K), 0.10), [K] * 4, 4, at_4) == [0, 0, 0, 0]
 
 
 def test_a_growing_queue_does_not_draft_at_each_new_batch_size():

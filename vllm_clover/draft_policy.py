@@ -252,8 +252,12 @@ class CostModel:
     reads back scaled by that bucket's median now.
 
     Outside what it has measured it guesses optimistically, so the policy tries the
-    unmeasured side once and then knows it: above the largest bucket as flat (drafting
-    looks free), below the smallest in proportion to n (not drafting looks cheap)."""
+    unmeasured side once and then knows it: below the smallest bucket in proportion to n
+    (not drafting looks cheap); above the largest, rising at the slope between its last two
+    buckets, flat with one. A roofline's slope never falls as n grows, so that is the least
+    the next tokens can cost; flat there priced every draft past the measured steps as free,
+    and SmolLM2 at batch 4, its 4- and 8-token steps measured (2 ms a token), drafted the
+    full budget for rows accepted at 11-19% (HISTORY.md)."""
 
     def __init__(self):
         # bucket -> its latest (n, seconds, reference): the reference is None for a planned
@@ -305,10 +309,12 @@ class CostModel:
         """`predict` over the table as it stands: a policy's plans read tables rebuilt only
         every COSTS_REFRESH_STEPS steps (building one takes medians over every bucket)."""
         xs, ys = self.table()
+        slope_past = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
 
         def predict(n: np.ndarray) -> np.ndarray:
             n = np.maximum(np.asarray(n, dtype=np.float64), 1)
-            return np.where(n < xs[0], ys[0] * n / xs[0], np.interp(n, xs, ys))
+            measured = np.where(n < xs[0], ys[0] * n / xs[0], np.interp(n, xs, ys))
+            return measured + slope_past * np.maximum(n - xs[-1], 0)
 
         return predict
 
@@ -385,8 +391,9 @@ def estimate(requests: int, tables: list[CostsByBatch]) -> Callable | None:
     batch before the smaller): a size not yet measured is planned as its neighbour's, per
     request, because a queue that grows passes through batch sizes faster than they can be
     measured (the SmolLM2 load run drafted the full budget at every new size, at 19%
-    acceptance). Above the largest size measured there (steps that never drafted), the cost
-    grows as at the nearest batch size measured further, rather than staying flat."""
+    acceptance). Above the largest size measured there the cost grows as at the nearest
+    batch size measured further, where that is dearer than its own last slope goes on (the
+    only guess for steps that never drafted)."""
     wanted = bucket(requests)
     ranked = sorted(((table, b) for table in tables for b in table.measured()),
                     key=lambda found: (abs(found[1] - wanted), tables.index(found[0]), -found[1]))
@@ -400,7 +407,8 @@ def estimate(requests: int, tables: list[CostsByBatch]) -> Callable | None:
         return predict
     shape = wider[0][0]
     shape_at_largest = max(float(shape(np.array([largest]))[0]), 1e-9)
-    return lambda n: predict(np.minimum(n, largest)) * np.maximum(shape(n) / shape_at_largest, 1.0)
+    return lambda n: np.maximum(predict(n),
+                                predict(np.minimum(n, largest)) * np.maximum(shape(n) / shape_at_largest, 1.0))
 
 
 def non_decreasing(values: np.ndarray, weights: list[int]) -> np.ndarray:
