@@ -26,6 +26,7 @@ import textwrap
 from collections import Counter
 from pathlib import Path
 
+from vllm_clover_training.data import DataError
 from vllm_clover_training.stdlib_corpus import read_source, split_sources
 
 SHINGLE = 8  # words: longer shared runs than this count as contamination
@@ -249,6 +250,10 @@ def instructions(seed: int = 0) -> list[dict]:
 
 def eval_prompts(shared_data: Path) -> list[str]:
     """Every user turn of Spec-Bench and MT-Bench, and every HumanEval prompt."""
+    missing = [name for name in EVAL_FILES if not (shared_data / name).is_file()]
+    if missing:
+        raise DataError(f"--shared-data {shared_data}: no {', '.join(missing)} (the evaluation prompts "
+                        "training data is decontaminated against)")
     texts = []
     for name in EVAL_FILES:
         for line in (shared_data / name).read_text().splitlines():

@@ -26,7 +26,7 @@ from vllm_clover.atomic import atomic_write_text
 from vllm_clover.errors import VllmCloverError
 from vllm_clover.hub import local_dir
 from vllm_clover_training.distill import open_engine
-from vllm_clover_training.instructions import EVAL_FILES, decontaminate, eval_prompts
+from vllm_clover_training.instructions import decontaminate, eval_prompts
 
 # Magpie samples at temperature 1 with nucleus 1; a nucleus a little under 1 keeps the
 # diversity and drops the long tail of tokens that turn a 135M model's turns into noise.
@@ -108,11 +108,7 @@ def self_instruct(base_model: str, base_revision: str | None, out_dir: Path, cou
     DIR/chat-train.jsonl, and what was sampled and dropped to DIR/chat-report.json."""
     if not 0 <= validation < count:
         raise SelfInstructError(f"--validation must be in 0..{count - 1} (--count {count}), got {validation}")
-    missing = [name for name in EVAL_FILES if not (shared_data / name).is_file()]
-    if missing:
-        raise SelfInstructError(f"--shared-data {shared_data}: no {', '.join(missing)} (the evaluation prompts "
-                                "sampled turns are decontaminated against)")
-    evaluation = eval_prompts(shared_data)  # read before the engine starts
+    evaluation = eval_prompts(shared_data)  # read before the engine starts: a missing file fails fast
     turns, report = sample_turns(local_dir(base_model, "base model", base_revision), count, seed, dtype,
                                   evaluation)
     out_dir.mkdir(parents=True, exist_ok=True)
