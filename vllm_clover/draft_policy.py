@@ -78,6 +78,12 @@ LOOK_REFERENCE_STEPS = 64  # the latest steps a look is judged against (its own 
 # relative pricing; a plain step on the demo base at batch 1 is 1.4-2.7 ms), and medians of
 # 16 samples move slowly.
 COSTS_REFRESH_STEPS = 16
+# A plan drafts only if it beats drafting nothing by more than the step table's noise: its
+# goodput must exceed no drafts' by MARGIN_STANDARD_ERRORS standard errors of the difference
+# of two of the table's medians (`plan_lengths`'s margin, `GoodputPolicy._build_costs`).
+MARGIN_STANDARD_ERRORS = 1.0
+MAD_TO_SIGMA = 1.4826               # a normal spread's sigma per median absolute deviation
+MEDIAN_SE_FACTOR = math.sqrt(math.pi / 2)  # a median's standard error per sigma / sqrt(n)
 
 
 def check_policy(name: object) -> str:
@@ -284,12 +290,27 @@ class CostModel:
         """Bucket b's median seconds as its samples were recorded (what a look is priced against)."""
         return statistics.median(seconds for _, seconds, _ in self.samples[b])
 
-    def _median_now(self, b: int) -> float:
-        """Bucket b's median seconds, its look samples scaled as their planned bucket moved since."""
+    def _seconds_now(self, b: int) -> list[float]:
+        """Bucket b's samples' seconds, its look samples scaled as their planned bucket moved since."""
         samples = self.samples[b]
         planned_now = {b: self._recorded_median(b) for b in {ref[0] for _, _, ref in samples if ref is not None}}
-        return statistics.median(seconds if ref is None else seconds * planned_now[ref[0]] / ref[1]
-                                 for _, seconds, ref in samples)
+        return [seconds if ref is None else seconds * planned_now[ref[0]] / ref[1] for _, seconds, ref in samples]
+
+    def _median_now(self, b: int) -> float:
+        return statistics.median(self._seconds_now(b))
+
+    def relative_error(self) -> float:
+        """How well the table's medians are known: the standard error of a bucket's median
+        over the median itself (from the median absolute deviation of its samples, as for a
+        normal spread), root-mean-square over the estimated buckets."""
+        errors = []
+        for b in self.samples:
+            if self._estimated(b):
+                seconds = self._seconds_now(b)
+                median = statistics.median(seconds)
+                spread = MAD_TO_SIGMA * statistics.median(abs(s - median) for s in seconds)
+                errors.append(MEDIAN_SE_FACTOR * spread / (max(median, 1e-12) * math.sqrt(len(seconds))))
+        return math.sqrt(sum(e * e for e in errors) / len(errors)) if errors else 0.0
 
     def knows(self) -> bool:
         return any(self._estimated(b) for b in self.samples)
@@ -384,19 +405,25 @@ class CostsByBatch:
         return {f"{2 ** (b / BUCKETS_PER_OCTAVE):.0f}": m.as_dict() for b, m in sorted(self.measured().items())}
 
 
+def nearest_measured(requests: int, tables: list[CostsByBatch]) -> list[tuple[CostsByBatch, int]]:
+    """Every (table, batch bucket) measured, the best stand-in for a batch of `requests`
+    first: the nearest batch size, the first table before later ones, the larger batch
+    before the smaller."""
+    wanted = bucket(requests)
+    return sorted(((table, b) for table in tables for b in table.measured()),
+                  key=lambda found: (abs(found[1] - wanted), tables.index(found[0]), -found[1]))
+
+
 def estimate(requests: int, tables: list[CostsByBatch]) -> Callable | None:
     """Seconds as a function of size for a batch of `requests`, None before any measure.
 
-    From the nearest batch size measured (the first table before later ones, then the larger
-    batch before the smaller): a size not yet measured is planned as its neighbour's, per
-    request, because a queue that grows passes through batch sizes faster than they can be
-    measured (the SmolLM2 load run drafted the full budget at every new size, at 19%
-    acceptance). Above the largest size measured there the cost grows as at the nearest
-    batch size measured further, where that is dearer than its own last slope goes on (the
-    only guess for steps that never drafted)."""
-    wanted = bucket(requests)
-    ranked = sorted(((table, b) for table in tables for b in table.measured()),
-                    key=lambda found: (abs(found[1] - wanted), tables.index(found[0]), -found[1]))
+    From the nearest batch size measured (`nearest_measured`): a size not yet measured is
+    planned as its neighbour's, per request, because a queue that grows passes through batch
+    sizes faster than they can be measured (the SmolLM2 load run drafted the full budget at
+    every new size, at 19% acceptance). Above the largest size measured there the cost grows
+    as at the nearest batch size measured further, where that is dearer than its own last
+    slope goes on (the only guess for steps that never drafted)."""
+    ranked = nearest_measured(requests, tables)
     if not ranked:
         return None
     predict, largest = ranked[0][0].scaled(ranked[0][1], requests)
@@ -425,13 +452,21 @@ def non_decreasing(values: np.ndarray, weights: list[int]) -> np.ndarray:
 
 
 def plan_lengths(rates: np.ndarray, budgets: list[int], base_tokens: int, step_time,
-                 heads_time=None) -> list[int]:
-    """Per row, the draft length that maximises the step's goodput (module docstring).
+                 heads_time=None, margin: float = 0.0) -> list[int]:
+    """Per row, the draft length that maximises the step's goodput (module docstring), or
+    none where that goodput is not more than `margin` (relative) above drafting nothing's.
 
     rates [R, K]: a_rj; budgets [R] (<= K); base_tokens: tokens the next step runs without
     drafts; step_time(n array) -> seconds; heads_time(h array) -> seconds of drafting h
     positions this step (0 for none), or None when the heads have already run (their time is
-    spent either way)."""
+    spent either way).
+
+    The margin is how far the step table's medians are known (`GoodputPolicy._build_costs`).
+    Without it a plan drafts wherever the table, read at face value, finds a sliver of gain:
+    Clover on SmolLM2 at batch 4 drafted rows its plan rated just above break-even (first
+    drafts accepted 25%, where a token cost 4-7 ms of a 68-86 ms step depending on which two
+    buckets' medians it was read between), and ran the heads for them, 0.94x plain decoding
+    where drafting nothing would have cost ~2.6% (README, the policy runs at 484e5c4)."""
     R, K = rates.shape
     marginals = np.cumprod(rates, axis=1)                       # [R, K] prod_{j<=i} a_rj
     allowed = np.arange(K)[None, :] < np.asarray(budgets)[:, None]
@@ -441,7 +476,10 @@ def plan_lengths(rates: np.ndarray, budgets: list[int], base_tokens: int, step_t
     if heads_time is not None:
         deepest = np.concatenate([[0], np.maximum.accumulate(order % K + 1)])  # heads needed for N drafts
         seconds = seconds + heads_time(deepest)
-    best = int(np.argmax((R + gains) / seconds))
+    goodput = (R + gains) / seconds
+    best = int(np.argmax(goodput))
+    if goodput[best] <= (1 + margin) * goodput[0]:
+        best = 0
     lengths = np.zeros(R, dtype=np.int64)
     np.add.at(lengths, order[:best] // K, 1)
     return lengths.tolist()
@@ -452,19 +490,21 @@ def plan_lengths(rates: np.ndarray, budgets: list[int], base_tokens: int, step_t
 DRAFT_SOURCES = ("rule", "plan", "look", "deeper_look")
 
 
-def first_draft_threshold(rows: int, positions: int, base_tokens: int, step_time, heads_time=None) -> float:
+def first_draft_threshold(rows: int, positions: int, base_tokens: int, step_time, heads_time=None,
+                          margin: float = 0.0) -> float:
     """A rate such that, while no row's first draft reaches it, `plan_lengths` drafts nothing,
     for `rows` rows of up to `positions` drafts (its other arguments).
 
-    A plan of N drafts wins only if its expected accepted G(N) > rows (S(N) - S(0)) / S(0),
-    S the step's seconds with them; every marginal is a product of its row's rates, so G(N)
-    <= N a for a the largest first-draft rate. With a below min_N rows (S(N) - S(0)) / (N
-    S(0)), nothing is drafted. The heads' time is taken at its least over their depths."""
+    A plan of N drafts wins only if its expected accepted G(N) > rows ((1 + margin) S(N) -
+    S(0)) / S(0), S the step's seconds with them; every marginal is a product of its row's
+    rates, so G(N) <= N a for a the largest first-draft rate. With a below min_N rows ((1 +
+    margin) S(N) - S(0)) / (N S(0)), nothing is drafted. The heads' time is taken at its least
+    over their depths."""
     drafts = np.arange(rows * positions + 1)
     seconds = step_time(base_tokens + drafts)
     if heads_time is not None:
         seconds = seconds + np.where(drafts > 0, heads_time(np.arange(1, positions + 1)).min(), 0.0)
-    return float(np.min(rows * (seconds[1:] - seconds[0]) / (drafts[1:] * seconds[0])))
+    return float(np.min(rows * ((1 + margin) * seconds[1:] - seconds[0]) / (drafts[1:] * seconds[0])))
 
 
 class DraftStats:
@@ -777,7 +817,7 @@ class GoodputPolicy:
         return self._chain[1]
 
     def _costs(self, with_heads: bool):
-        """(step_time, heads_time or None) for this batch, or None while either is unmeasured;
+        """(step_time, heads_time or None, margin) for this batch, or None while either is unmeasured;
         rebuilt every COSTS_REFRESH_STEPS steps, for another batch size or a size newly measured."""
         tables = (self.step_costs, self.prefill_step_costs, self.heads_costs)
         built_for = (self.base_tokens, self._rows if with_heads else 0, sum(t.sizes_known for t in tables))
@@ -790,13 +830,17 @@ class GoodputPolicy:
         return built[2]
 
     def _build_costs(self, with_heads: bool):
-        step = estimate(self.base_tokens, [self.step_costs, self.prefill_step_costs])
-        if not with_heads:
-            return None if step is None else (step, None)
-        heads = estimate(self._rows, [self.heads_costs])
-        if step is None or heads is None:
+        tables = [self.step_costs, self.prefill_step_costs]
+        step = estimate(self.base_tokens, tables)
+        heads = estimate(self._rows, [self.heads_costs]) if with_heads else None
+        if step is None or (with_heads and heads is None):
             return None
-        return step, lambda positions: np.where(positions > 0, heads(positions), 0.0)
+        table, b = nearest_measured(self.base_tokens, tables)[0]
+        # A plan compares two of the table's medians, each known to its relative error.
+        margin = MARGIN_STANDARD_ERRORS * math.sqrt(2) * table.models[b].relative_error()
+        if not with_heads:
+            return step, None, margin
+        return step, lambda positions: np.where(positions > 0, heads(positions), 0.0), margin
 
     def summary(self) -> dict:
         """The policy's models, for the benchmark JSON: the step-time and heads-time tables
@@ -808,6 +852,9 @@ class GoodputPolicy:
             "step_seconds_by_requests_and_tokens": self.step_costs.as_dict(),
             "prefill_step_seconds_by_requests_and_tokens": self.prefill_step_costs.as_dict(),
             "heads_seconds_by_rows_and_positions": self.heads_costs.as_dict(),
+            "step_seconds_relative_error_by_requests": {
+                f"{2 ** (b / BUCKETS_PER_OCTAVE):.0f}": round(m.relative_error(), 4)
+                for b, m in sorted(self.step_costs.measured().items())},
             "acceptance_rate_per_position_given_earlier": None if chain is None else chain.round(4).tolist(),
             "judged_drafts_per_position": self.acceptance.tried.sum(1).astype(int).tolist(),
             "by_position_and_confidence_bin": {
