@@ -16,7 +16,9 @@ SmartSpec (arXiv 2406.14066), every step the policy picks each request's length 
 
 Because a_rj <= 1, each request's marginal gains prod_{j<=i} a_rj fall with i, so the best
 plan with N draft tokens in all takes the N largest marginals over the batch (each
-request a prefix); the policy scans N and keeps the best goodput (`plan_lengths`).
+request a prefix); the policy scans N and keeps the best goodput (`plan_lengths`), unless
+it beats drafting nothing by less than the step table's noise: a gain inside the error of
+the medians it is read from is no gain to bet a step on.
 
 Both models learn online from the engine's own steps, so they fit the machine, the model
 and the load: acceptance from what vLLM's rejection sampler accepted, per draft position
