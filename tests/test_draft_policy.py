@@ -159,7 +159,8 @@ def test_a_policy_on_a_noisy_step_stops_drafting_for_a_slivers_gain():
         step_time = lambda n: (0.0584 + 0.0044 * n) * (1 + scatter * next(signs[bucket(n)]))  # noqa: E731
         turns = itertools.count()
         accept = lambda n: int(n > 0 and next(turns) % 10 < 3)  # noqa: E731
-        policy, c = GoodputPolicy(K, clock=(c := Clock())), c
+        c = Clock()
+        policy = GoodputPolicy(K, clock=c)
         run_steps(policy, c, 4, step_time, steps=300, confidence=0.3, accept=accept)
         run_steps(policy, c, 4, step_time, steps=150, confidence=0.3, accept=accept, stats=(stats := DraftStats(K)))
         return stats.drafted_by["plan"]

@@ -840,9 +840,8 @@ class GoodputPolicy:
         table, b = nearest_measured(self.base_tokens, tables)[0]
         # A plan compares two of the table's medians, each known to its relative error.
         margin = MARGIN_STANDARD_ERRORS * math.sqrt(2) * table.models[b].relative_error()
-        if not with_heads:
-            return step, None, margin
-        return step, lambda positions: np.where(positions > 0, heads(positions), 0.0), margin
+        heads_time = None if heads is None else (lambda positions: np.where(positions > 0, heads(positions), 0.0))
+        return step, heads_time, margin
 
     def summary(self) -> dict:
         """The policy's models, for the benchmark JSON: the step-time and heads-time tables
