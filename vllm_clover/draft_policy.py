@@ -367,9 +367,10 @@ class CostsByBatch:
         self.batch_sizes.setdefault(b, deque(maxlen=SAMPLES_PER_BUCKET)).append(requests)
         self.sizes_known += len(model.samples[bucket(n)]) == MIN_SAMPLES
 
-    def knows(self, requests: int, n: int) -> bool:
+    def knows(self, requests: int, n: int, or_larger: bool = False) -> bool:
         """Whether size n has an estimate measured at this batch size or one at most
-        NEAR_OCTAVES smaller (read per request, as `scaled` reads it).
+        NEAR_OCTAVES smaller (read per request, as `scaled` reads it); with `or_larger`, n or
+        a larger size (so n is priced between measured sizes, not past them).
 
         Not from a larger one: a smaller batch is nearer to reading its weights once whatever
         it runs, so a larger batch's shape read per request makes its drafts look dear, a
@@ -380,8 +381,9 @@ class CostsByBatch:
         wanted = bucket(requests)
         for b, model in self.models.items():
             if 0 <= wanted - b <= NEAR_OCTAVES * BUCKETS_PER_OCTAVE:
-                size = n / self._ratio(b, requests) if self.sizes_per_batch else n
-                if len(model.samples.get(bucket(round(size)), ())) >= MIN_SAMPLES:
+                size = bucket(round(n / self._ratio(b, requests) if self.sizes_per_batch else n))
+                sizes = [s for s in model.samples if s >= size] if or_larger else [size]
+                if any(len(model.samples.get(s, ())) >= MIN_SAMPLES for s in sizes):
                     return True
         return False
 
@@ -568,6 +570,7 @@ class Looks:
         # The (table, batch bucket, size bucket) keys the current look measures, where it
         # was begun for them (`GoodputPolicy._measure_deeper`); empty in a scheduled look.
         self.measuring: list[tuple[str, int, int]] = []
+        self.deeper_by = 1  # drafts per request the current look runs past the plan, if deeper
         # The latest planned and look steps: (batch-size bucket, a look's, tokens out, seconds).
         self._steps: deque[tuple[int, bool, int, float]] = deque(maxlen=LOOK_REFERENCE_STEPS)
 
@@ -577,10 +580,11 @@ class Looks:
     def step_done(self, requests: int, looked: bool, tokens_out: int, seconds: float) -> None:
         self._steps.append((bucket(requests), looked, tokens_out, seconds))
 
-    def start_deeper(self, measuring: list[tuple[str, int, int]]) -> None:
-        """Begin a look one draft deeper now, whatever the interval, to measure the keys
+    def start_deeper(self, measuring: list[tuple[str, int, int]], by: int) -> None:
+        """Begin a look `by` drafts deeper now, whatever the interval, to measure the keys
         `measuring` (`GoodputPolicy._measure_deeper`)."""
-        self._since, self._left, self.without_drafts, self.measuring = 0, EXPLORE_STEPS, False, measuring
+        self._since, self._left, self.without_drafts = 0, EXPLORE_STEPS, False
+        self.measuring, self.deeper_by = measuring, by
 
     def next_step(self) -> None:
         """Once a step, after the last step's outcome is in: judge a look that just ended,
@@ -588,7 +592,7 @@ class Looks:
         if self._left:
             self._left -= 1
             if not self._left:
-                self.measuring = []
+                self.measuring, self.deeper_by = [], 1
                 self._judge()
         self._since += 1
         if self._since >= self.interval:
@@ -605,9 +609,9 @@ class Looks:
                 self.interval = min(2 * self.interval, EXPLORE_AFTER_MAX)
 
 
-def one_deeper(plan: list[int], budgets: list[int]) -> list[int]:
-    """One draft more per request than `plan`, within its budget."""
-    return [min(length + 1, budget) for length, budget in zip(plan, budgets)]
+def deeper(plan: list[int], budgets: list[int], by: int = 1) -> list[int]:
+    """`by` drafts more per request than `plan`, within its budget."""
+    return [min(length + by, budget) for length, budget in zip(plan, budgets)]
 
 
 def tokens_per_second(steps: list[tuple[int, bool, int, float]]) -> float:
@@ -765,7 +769,7 @@ class GoodputPolicy:
     def _look(self, plan: list[int], budgets: list[int]) -> list[int]:
         """`plan`, or in a look the neighbour it tries (`Looks`): no drafts, where the plan
         drafts and the heads have not run for the look already (Clover decides its depth
-        first); else one more per request."""
+        first); else one more per request (two in a look begun for them, `_measure_deeper`)."""
         if not self.looks.now():
             self._looked = False
             return plan
@@ -773,18 +777,29 @@ class GoodputPolicy:
         self._looked = True
         if self.looks.without_drafts and any(plan) and not decided:
             return [0] * len(plan)
-        return one_deeper(plan, budgets)
+        return deeper(plan, budgets, self.looks.deeper_by)
 
     def _measure_deeper(self, plan: list[int], budgets: list[int], with_heads: bool) -> None:
         """Begin a look one draft deeper now if neither this batch size nor one a little smaller
-        has measured the step it would run (or the heads at its depth; `CostsByBatch.knows`).
-        Unmeasured, it is priced from another batch size's tables (`estimate`), and from a
+        has measured the step it would run (or the heads at its depth; `CostsByBatch.knows`);
+        from a plan of none, once that is measured, two drafts deeper, unless a larger size
+        is measured.
+
+        Unmeasured, a size is priced from another batch size's tables (`estimate`), and from a
         far one that can be badly wrong: after a warm-up at batch 128 (compute-bound: every
         token and position costs in proportion) the demo base at batch 1 planned one Clover
         draft a step, as if each deeper position doubled the heads' time, and a scheduled look
         came too rarely to learn better in the ~2,000 steps it ran there (0.71x plain decoding;
         drafting the full budget ran 0.94x). Measured one deeper at a time, the plan climbs
         only as far as each next draft pays.
+
+        Two from none, because past its largest measured size a table goes on at the slope
+        of its last two sizes (`CostModel`), and where a plan of none has measured one draft
+        deeper only, that slope is what a step with any draft costs over one without: on the
+        compiled demo base at batch 1 a draft cost a fixed ~1 ms (vLLM's speculative path) and
+        further ones nearly nothing, but read as ~1 ms a draft, every depth looked dear and the
+        policy drafted nothing (0.78x plain decoding, its fixed rule 0.92x). With a second
+        drafting size measured the slope past them is a draft's own cost.
 
         A size counts as measured once its table knows it, not once a look began for it: a
         look begun at a wave's first step (one request sampled, the rest queued for prefill)
@@ -793,23 +808,31 @@ class GoodputPolicy:
         gives up on a size after DEEPER_LOOK_STEPS look steps at its batch size."""
         if self.looks.now():
             return
-        deeper = one_deeper(plan, budgets)
-        if deeper == plan:
-            return
-        sizes = [("step", self.step_costs, self.base_tokens, self.base_tokens + sum(deeper))]
+        for by in (1, 2) if not any(plan) else (1,):
+            lengths = deeper(plan, budgets, by)
+            if lengths == plan:
+                return
+            unmeasured = self._unmeasured(lengths, with_heads, or_larger=by > 1)
+            if unmeasured:
+                self.looks.start_deeper(unmeasured, by)
+                return
+
+    def _unmeasured(self, lengths: list[int], with_heads: bool, or_larger: bool) -> list[tuple[str, int, int]]:
+        """The (table, batch bucket, size bucket) keys drafting `lengths` would measure that
+        are not measured yet (`CostsByBatch.knows`), nor given up on."""
+        sizes = [("step", self.step_costs, self.base_tokens, self.base_tokens + sum(lengths))]
         if with_heads:
-            sizes.append(("heads", self.heads_costs, self._rows, max(deeper)))
+            sizes.append(("heads", self.heads_costs, self._rows, max(lengths)))
         unmeasured = []
         for name, table, requests, n in sizes:
             key = (name, bucket(requests), bucket(n))
             if key in self._deeper_measured:
                 continue
-            if table.knows(requests, n) or self._deeper_look_steps[key] >= DEEPER_LOOK_STEPS:
+            if table.knows(requests, n, or_larger) or self._deeper_look_steps[key] >= DEEPER_LOOK_STEPS:
                 self._deeper_measured.add(key)  # a size measured stays so (tables only grow)
             else:
                 unmeasured.append(key)
-        if unmeasured:
-            self.looks.start_deeper(unmeasured)
+        return unmeasured
 
     def _chain_rates(self) -> np.ndarray | None:
         """`AcceptanceModel.chain_rates`, recomputed every COSTS_REFRESH_STEPS steps: ~0.2 ms
