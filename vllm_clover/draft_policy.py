@@ -30,8 +30,8 @@ the heads' time per number of rows and positions. A batch size not yet measured 
 the nearest measured one's figures (`estimate`); until any is measured the policy drafts
 the full budget, which is also how it measures. Every so often it looks past its plan (one
 draft deeper, or none at all), to re-measure what it no longer does (`Looks`: less often
-while looking does not pay), and at once where one draft deeper has not been measured at
-this batch size or one a little smaller (`_measure_deeper`).
+while looking does not pay), and at once where one draft deeper (two, from a plan of none)
+has not been measured at this batch size or one a little smaller (`_measure_deeper`).
 
 `fixed` (speculative_config "draft_policy": "fixed") keeps each method's own rule: Clover
 drafts its budget, CLP thresholds its predicted length at tau.
@@ -265,7 +265,9 @@ class CostModel:
     buckets, flat with one. A roofline's slope never falls as n grows, so that is the least
     the next tokens can cost; flat there priced every draft past the measured steps as free,
     and SmolLM2 at batch 4, its 4- and 8-token steps measured (2 ms a token), drafted the
-    full budget for rows accepted at 11-19% (README, the policy runs at 484e5c4)."""
+    full budget for rows accepted at 11-19% (README, the policy runs at 484e5c4). Where the
+    last two are a step without drafts and one with, their slope is what any draft costs
+    over none, so a second drafting size is measured (`GoodputPolicy._measure_deeper`)."""
 
     def __init__(self):
         # bucket -> its latest (n, seconds, reference): the reference is None for a planned
