@@ -532,7 +532,9 @@ def test_each_draft_is_counted_by_what_decided_it():
     assert by["plan"] == measured * K * 64  # the full budget until the step time is measured
     look = [1] * 64  # the plan's 0, plus one
     assert steps[measured:measured + EXPLORE_STEPS] == [look] * EXPLORE_STEPS
-    assert by["deeper_look"] == EXPLORE_STEPS * 64  # once: then batch 64 has measured one deeper
+    # Once: then batch 64 has measured one deeper; two deeper needs no look, the full budget
+    # (measured first) being larger.
+    assert by["deeper_look"] == EXPLORE_STEPS * 64
     scheduled = measured + EXPLORE_AFTER
     assert steps[scheduled:scheduled + EXPLORE_STEPS] == [look] * EXPLORE_STEPS
     assert by["look"] == EXPLORE_STEPS * 64  # the next one comes twice as late: none paid
@@ -683,8 +685,8 @@ def test_a_fixed_cost_of_any_draft_is_not_read_as_the_cost_of_every_draft():
     drafts nearly nothing. Its look one draft deeper than a plan of none measured only the
     1- and 2-token steps, the slope past them was that jump, so every further draft looked
     as dear, and it drafted nothing where three deep paid (0.78x plain decoding against its
-    fixed rule's 0.92x). Each batch size measures its full budget once too, so the slope
-    past what it drafts comes from drafting steps."""
+    fixed rule's 0.92x). From a plan of none it looks two drafts deeper too, so the slope
+    past what it measured is a draft's own cost."""
     rng = np.random.default_rng(0)  # each draft accepted at 0.75, as the heads' confidence says
 
     def accepted(drafted: int) -> int:
