@@ -701,3 +701,20 @@ def test_a_fixed_cost_of_any_draft_is_not_read_as_the_cost_of_every_draft():
     steps = run_steps(policy, c, 1, any_draft_costs_8_ms, steps=80, confidence=0.75, accept=accepted)
     # One draft alone does not pay (1.75 tokens in 19 ms against 1 in 10), four do (3.05 in 22.2 ms).
     assert all(drafts[0] >= 3 for drafts in steps[-10:])
+
+
+def test_a_queue_jumping_past_the_batch_sizes_measured_drafts_nothing_where_the_smaller_one_drafts_nothing():
+    """SmolLM2's ramped load (benchmarks/results/policy/HISTORY.md): at the peak the batch
+    jumped from ~4 to ~40, and at every new batch size the policy looked one and then two
+    drafts deeper to measure them, every request drafting for 8 steps each, at 13% acceptance
+    where a step of 1 draft a request cost 83% more than one of none. Read per request, a
+    smaller batch prices drafts cheaper than they are (it is nearer to reading its weights
+    once whatever it runs), so where it plans none, a larger one would plan none either and
+    only the heads' time at the new size is measured, by running them without drafting."""
+    c = Clock()
+    policy = GoodputPolicy(K, clock=c)
+    step_time = roofline(memory_bound_tokens=4, seconds=0.010)
+    run_steps(policy, c, 4, step_time, steps=40, confidence=0.2, accept=0)
+    steps = run_steps(policy, c, 40, step_time, steps=30, confidence=0.2, accept=0)
+    assert sum(map(sum, steps)) == 0
+    assert policy.heads_costs.knows(40, 1)  # measured, not drafted

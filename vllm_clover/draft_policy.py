@@ -31,7 +31,8 @@ the nearest measured one's figures (`estimate`); until any is measured the polic
 the full budget, which is also how it measures. Every so often it looks past its plan (one
 draft deeper, or none at all), to re-measure what it no longer does (`Looks`: less often
 while looking does not pay), and at once where one draft deeper (two, from a plan of none)
-has not been measured at this batch size or one a little smaller (`_measure_deeper`).
+has not been measured at this batch size or one a little smaller, unless the plan reads it
+from a smaller batch size that measured it (too cheap, if wrong: `_measure_deeper`).
 
 `fixed` (speculative_config "draft_policy": "fixed") keeps each method's own rule: Clover
 drafts its budget, CLP thresholds its predicted length at tau.
@@ -381,13 +382,17 @@ class CostsByBatch:
         steps, where 1-4 tokens had cost the same). Read the other way the error is
         optimistic: the plan drafts, and so measures."""
         wanted = bucket(requests)
-        for b, model in self.models.items():
-            if 0 <= wanted - b <= NEAR_OCTAVES * BUCKETS_PER_OCTAVE:
-                size = bucket(round(n / self._ratio(b, requests) if self.sizes_per_batch else n))
-                sizes = [s for s in model.samples if s >= size] if or_larger else [size]
-                if any(len(model.samples.get(s, ())) >= MIN_SAMPLES for s in sizes):
-                    return True
-        return False
+        return any(self.knows_at(b, requests, n, or_larger) for b in self.models
+                   if 0 <= wanted - b <= NEAR_OCTAVES * BUCKETS_PER_OCTAVE)
+
+    def knows_at(self, measured_bucket: int, requests: int, n: int, or_larger: bool = False) -> bool:
+        """`knows`, from the one batch bucket `measured_bucket`."""
+        model = self.models.get(measured_bucket)
+        if model is None:
+            return False
+        size = bucket(round(n / self._ratio(measured_bucket, requests) if self.sizes_per_batch else n))
+        sizes = [s for s in model.samples if s >= size] if or_larger else [size]
+        return any(len(model.samples.get(s, ())) >= MIN_SAMPLES for s in sizes)
 
     def measured(self) -> dict[int, CostModel]:
         """Batch-size bucket -> its model, for buckets with an estimate (MIN_SAMPLES)."""
@@ -420,7 +425,7 @@ def nearest_measured(requests: int, tables: list[CostsByBatch]) -> list[tuple[Co
                   key=lambda found: (abs(found[1] - wanted), tables.index(found[0]), -found[1]))
 
 
-def estimate(requests: int, tables: list[CostsByBatch]) -> Callable | None:
+def estimate(requests: int, tables: list[CostsByBatch]) -> Estimate | None:
     """Seconds as a function of size for a batch of `requests`, None before any measure.
 
     From the nearest batch size measured (`nearest_measured`): a size not yet measured is
@@ -433,15 +438,32 @@ def estimate(requests: int, tables: list[CostsByBatch]) -> Callable | None:
     if not ranked:
         return None
     predict, largest = ranked[0][0].scaled(ranked[0][1], requests)
-    # "Further": beyond the 1% by which the same per-request reach, read through two medians, can differ.
-    wider = [(shape, reach) for shape, reach in (table.scaled(b, requests) for table, b in ranked[1:])
-             if reach > 1.01 * largest]
-    if not wider:
-        return predict
-    shape = wider[0][0]
+    for extension in ranked[1:]:
+        shape, reach = extension[0].scaled(extension[1], requests)
+        # "Further": beyond the 1% by which the same per-request reach, read through two medians, can differ.
+        if reach > 1.01 * largest:
+            break
+    else:
+        return Estimate(predict, ranked[0], largest, None)
     shape_at_largest = max(float(shape(np.array([largest]))[0]), 1e-9)
-    return lambda n: np.maximum(predict(n),
-                                predict(np.minimum(n, largest)) * np.maximum(shape(n) / shape_at_largest, 1.0))
+    return Estimate(lambda n: np.maximum(predict(n), predict(np.minimum(n, largest))
+                                         * np.maximum(shape(n) / shape_at_largest, 1.0)),
+                    ranked[0], largest, extension)
+
+
+class Estimate:
+    """`estimate`'s cost function, and which measured (table, batch bucket) prices each size:
+    the nearest up to the largest size it measured, past that the one it extends with."""
+
+    def __init__(self, predict: Callable, nearest: tuple[CostsByBatch, int], largest: float,
+                 extension: tuple[CostsByBatch, int] | None):
+        self.predict, self.nearest, self.largest, self.extension = predict, nearest, largest, extension
+
+    def __call__(self, n: np.ndarray) -> np.ndarray:
+        return self.predict(n)
+
+    def source(self, n: int) -> tuple[CostsByBatch, int]:
+        return self.nearest if n <= self.largest or self.extension is None else self.extension
 
 
 def non_decreasing(values: np.ndarray, weights: list[int]) -> np.ndarray:
@@ -647,6 +669,7 @@ class GoodputPolicy:
         self._chain: tuple[int, np.ndarray | None] = (0, None)  # (step computed, chain rates)
         self._depth_planned: tuple[tuple | None, list[int]] = (None, [])  # (planned from, plan): `_depth_plan`
         self._threshold: tuple[tuple | None, float] = (None, 0.0)  # (computed from, rate): `_nothing_pays`
+        self._step_estimate: Estimate | None = None  # the step times the latest plans read
         self._heads_seconds = 0.0
         self._heads_run = 0
         self._rows = 0
@@ -771,7 +794,8 @@ class GoodputPolicy:
     def _look(self, plan: list[int], budgets: list[int]) -> list[int]:
         """`plan`, or in a look the neighbour it tries (`Looks`): no drafts, where the plan
         drafts and the heads have not run for the look already (Clover decides its depth
-        first); else one more per request (two in a look begun for them, `_measure_deeper`)."""
+        first); else one more per request (two in a look begun for them, `_measure_deeper`),
+        or, in a look begun only to time the heads deeper, which ran already, the plan."""
         if not self.looks.now():
             self._looked = False
             return plan
@@ -779,6 +803,8 @@ class GoodputPolicy:
         self._looked = True
         if self.looks.without_drafts and any(plan) and not decided:
             return [0] * len(plan)
+        if decided and self.looks.measuring and all(key[0] == "heads" for key in self.looks.measuring):
+            return plan  # the heads ran deeper to be timed; verifying their drafts measures nothing more
         return deeper(plan, budgets, self.looks.deeper_by)
 
     def _measure_deeper(self, plan: list[int], budgets: list[int], with_heads: bool) -> None:
@@ -802,6 +828,10 @@ class GoodputPolicy:
         further ones nearly nothing, but read as ~1 ms a draft, every depth looked dear and the
         policy drafted nothing (0.78x plain decoding, its fixed rule 0.92x). With a second
         drafting size measured the slope past them is a draft's own cost.
+
+        Not for a step the plan reads from a smaller batch size that measured it
+        (`_priced_from_smaller`), and for the heads alone, where Clover runs them before the
+        lengths are chosen, the look times them without drafting (`_look`).
 
         A size counts as measured once its table knows it, not once a look began for it: a
         look begun at a wave's first step (one request sampled, the rest queued for prefill)
@@ -832,9 +862,25 @@ class GoodputPolicy:
                 continue
             if table.knows(requests, n, or_larger) or self._deeper_look_steps[key] >= DEEPER_LOOK_STEPS:
                 self._deeper_measured.add(key)  # a size measured stays so (tables only grow)
-            else:
+            elif not (table is self.step_costs and self._priced_from_smaller(n, or_larger)):
                 unmeasured.append(key)
         return unmeasured
+
+    def _priced_from_smaller(self, n: int, or_larger: bool) -> bool:
+        """Whether this batch's plan prices a step of n tokens from a smaller batch size's
+        decode steps that measured it (read per request; `Estimate.source`), however far
+        smaller: not a measure of this batch, so not kept as one, but one that prices drafts
+        too cheap, never too dear. A smaller batch is nearer to reading its weights once
+        whatever it runs; where its figures plan none this batch's own would plan none too,
+        and where they draft, drafting measures.
+
+        On SmolLM2 under a ramped load the batch jumped from ~4 to ~40 at the peak, and the
+        policy looked one and two drafts deeper at every new batch size to measure them:
+        every request drafted for 8 steps each, at 13% acceptance, where a step of one draft a
+        request cost 83% more than one of none (HISTORY.md)."""
+        table, b = self._step_estimate.source(n)
+        return table is self.step_costs and b < bucket(self.base_tokens) and \
+            table.knows_at(b, self.base_tokens, n, or_larger)
 
     def _chain_rates(self) -> np.ndarray | None:
         """`AcceptanceModel.chain_rates`, recomputed every COSTS_REFRESH_STEPS steps: ~0.2 ms
@@ -862,7 +908,8 @@ class GoodputPolicy:
         heads = estimate(self._rows, [self.heads_costs]) if with_heads else None
         if step is None or (with_heads and heads is None):
             return None
-        table, b = nearest_measured(self.base_tokens, tables)[0]
+        self._step_estimate = step
+        table, b = step.nearest
         # A plan compares two of the table's medians, each known to its relative error.
         margin = MARGIN_STANDARD_ERRORS * math.sqrt(2) * table.models[b].relative_error()
         heads_time = None if heads is None else (lambda positions: np.where(positions > 0, heads(positions), 0.0))
