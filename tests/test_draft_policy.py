@@ -336,6 +336,9 @@ def test_an_unmeasured_batch_size_is_read_per_request_from_its_nearest_neighbour
     for _ in range(3):
         prefill.observe(6, 70, 0.050)
     assert estimate(6, [steps, prefill])(np.array([70]))[0] == pytest.approx(0.050)  # its own size first
+    for _ in range(3):  # batch 8's prefill steps reach further; past its one size it grows as batch 4's decodes
+        prefill.observe(8, 80, 0.030)
+    assert estimate(8, [steps, prefill])(np.array([40]))[0] == pytest.approx(0.036)
 
 
 def test_a_step_seen_rising_is_not_priced_flat_past_its_largest_measured_size():

@@ -433,12 +433,14 @@ def estimate(requests: int, tables: list[CostsByBatch]) -> Estimate | None:
     sizes faster than they can be measured (the SmolLM2 load run drafted the full budget at
     every new size, at 19% acceptance). Above the largest size measured there the cost grows
     as at the nearest batch size measured further, where that is dearer than its own last
-    slope goes on (the only guess for steps that never drafted)."""
+    slope goes on (the only guess for steps that never drafted), in the first table that has
+    one: a prefill step's tokens cost less each than drafts verified across the batch, so
+    decode steps of another batch size, read per request, are the better guess for drafts."""
     ranked = nearest_measured(requests, tables)
     if not ranked:
         return None
     predict, largest = ranked[0][0].scaled(ranked[0][1], requests)
-    for extension in ranked[1:]:
+    for extension in sorted(ranked[1:], key=lambda found: tables.index(found[0])):  # stable: nearest first
         shape, reach = extension[0].scaled(extension[1], requests)
         # "Further": beyond the 1% by which the same per-request reach, read through two medians, can differ.
         if reach > 1.01 * largest:
