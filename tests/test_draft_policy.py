@@ -721,3 +721,31 @@ def test_a_queue_jumping_past_the_batch_sizes_measured_drafts_nothing_where_the_
     steps = run_steps(policy, c, 40, step_time, steps=30, confidence=0.2, accept=0)
     assert sum(map(sum, steps)) == 0
     assert policy.heads_costs.knows(40, 1)  # measured, not drafted
+
+
+def test_while_every_step_carries_a_prefill_chunk_no_look_measures_decode_steps():
+    """SmolLM2's ramped load at its peak (README): prompts arrived every step, so every step
+    carried a prefill chunk and went to the prefill table, and the looks begun to measure a
+    decode-only step one and two drafts deeper never measured one: each drafted every request
+    for DEEPER_LOOK_STEPS steps (accepted 13%) and gave up. Such looks begin only after a step
+    that ran decodes alone."""
+    c = Clock()
+    policy = GoodputPolicy(K, clock=c)
+    stats = DraftStats(K)
+    step_time = roofline(memory_bound_tokens=8, seconds=0.010)
+    running = [f"r{i}" for i in range(16)]
+    drafted, per_step = dict.fromkeys(running, 0), []
+    for step in range(80):
+        tokens = len(running) + sum(drafted.values()) + 50
+        c.now += float(step_time(tokens))
+        policy.observe_step(tokens, running, drafted, {r: 0 for r in drafted})
+        depth = policy.heads_to_run([K] * 16)
+        policy.heads_timed(0.001 * depth)
+        lengths = policy.lengths(np.full((16, depth), 0.2), [depth] * 16) if depth else [0] * 16
+        policy.end_step(running)
+        stats.record(lengths, policy.decided_by)
+        running = running[1:] + [f"new{step}"]
+        drafted = dict(zip(running, lengths[1:] + [0]))
+        per_step.append(sum(lengths))
+    assert stats.drafted_by["deeper_look"] == 0
+    assert per_step[0] == 16 * K and sum(per_step[10:]) == 0  # the full budget only until measured

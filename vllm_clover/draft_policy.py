@@ -659,6 +659,7 @@ class GoodputPolicy:
         self.clock = clock
         self.base_tokens = 1          # the next step's decodes: requests that sampled a token in this one
         self._running: set[str] = set()  # the requests of the last step
+        self._decoding_only = False  # whether the last step ran decodes (and drafts) alone
         self.looks = Looks()
         self._looked: bool | None = None  # this step's lengths: a look's (True), planned (False), neither (None)
         # (table, batch bucket, size bucket): each found measured, or looked at long enough (`_measure_deeper`)
@@ -697,10 +698,10 @@ class GoodputPolicy:
         were mixed), but under steady arrivals nearly every step carries one. The policy plans
         on the decodes alone: a prompt is prefilled once whatever is drafted."""
         now = self.clock()
+        decode_only = num_tokens == len(req_ids) + sum(verified.values()) and len(accepted) == len(req_ids)
         if self._last_step_start is not None and not self._running.isdisjoint(req_ids):
             # Since the last draft step began: its heads, then this whole engine step.
             seconds = now - self._last_step_start
-            decode_only = num_tokens == len(req_ids) + sum(verified.values()) and len(accepted) == len(req_ids)
             costs = self.step_costs if decode_only else self.prefill_step_costs
             costs.observe(len(req_ids), num_tokens, seconds - self._heads_seconds, look=bool(self._looked))
             if self._looked is not None:
@@ -711,6 +712,7 @@ class GoodputPolicy:
         self._steps += 1
         self._last_step_start, self._heads_seconds, self._heads_run, self._looked = now, 0.0, 0, None
         self._running = set(req_ids)
+        self._decoding_only = decode_only
         self.base_tokens = max(len(accepted), 1)
         if self._pending is not None:
             drafted_ids, confidence, lengths = self._pending
@@ -839,8 +841,14 @@ class GoodputPolicy:
         look begun at a wave's first step (one request sampled, the rest queued for prefill)
         runs at the batch size the wave fills to, and the demo base's Clover, whose look for
         batch 1 was spent so in warm-up, then drafted nothing for ~340 steps at batch 1. It
-        gives up on a size after DEEPER_LOOK_STEPS look steps at its batch size."""
-        if self.looks.now():
+        gives up on a size after DEEPER_LOOK_STEPS look steps at its batch size.
+
+        Begun only after a step that ran decodes alone: the size it measures is a decode-only
+        step's (`step_costs`), and while prompts keep arriving every step carries a prefill
+        chunk, so a look begun then measured nothing and drafted its DEEPER_LOOK_STEPS steps
+        for nothing (SmolLM2's ramped load at its peak, README: 394 drafted tokens in 12
+        look steps, mostly steps with prefill chunks, accepted 13%)."""
+        if self.looks.now() or not self._decoding_only:
             return
         for by in (1, 2) if not any(plan) else (1,):
             lengths = deeper(plan, budgets, by)
