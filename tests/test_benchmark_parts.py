@@ -170,8 +170,8 @@ def test_step_breakdown_splits_the_draft_step():
 @pytest.mark.parametrize("results_file,section,batches", [
     (RESULTS, "results", [1, 4, 8, 16, 32, 64]),
     (SMOLLM2_RESULTS, "smollm2-results", [1, 4, 16, 64]),
-    (POLICY_RESULTS / "demo-read-smaller.json", "policy-demo", [1, 4, 16, 64]),
-    (POLICY_RESULTS / "smollm2-read-smaller.json", "policy-smollm2", [1, 4, 16, 64]),
+    (POLICY_RESULTS / "demo-decode-gate.json", "policy-demo", [1, 4, 16, 64]),
+    (POLICY_RESULTS / "smollm2-decode-gate.json", "policy-smollm2", [1, 4, 16, 64]),
     (RESULTS.parent / "peer.json", "demo-peer", [1, 4]),
     (SMOLLM2_RESULTS.parent / "peer.json", "smollm2-peer", [1, 4]),
 ])
@@ -202,9 +202,9 @@ def test_profile_sections_match_the_committed_profiles(name):
         f"{results_file.relative_to(REPO)} --readme README.md --section profile-{name} --brief")
 
 
-@pytest.mark.parametrize("target", ["demo", "smollm2"])
-def test_load_sections_match_the_committed_load_runs(target):
-    results_file = POLICY_RESULTS / f"{target}-load.json"
+@pytest.mark.parametrize("target,results_name", [("demo", "demo-load-decode-gate.json"), ("smollm2", "smollm2-load-decode-gate.json")])
+def test_load_sections_match_the_committed_load_runs(target, results_name):
+    results_file = POLICY_RESULTS / results_name
     record = json.loads(results_file.read_text())
     text = report.load_markdown(record, results_file.relative_to(REPO))
     assert all(f"| {method} |" in text for method in record["results"])
