@@ -480,6 +480,30 @@ def test_the_summary_shows_each_confidence_bins_served_counts_beside_its_planned
     assert rates.shape == (K, 10) and rates[0, 8] > 0.9 > 0.2 > rates[1, 8]
 
 
+def run_steady_arrivals(policy: GoodputPolicy, clock: Clock, steps: int, confidence: float, accept: int,
+                        heads_seconds_per_position: float = 0.0, stats: DraftStats | None = None) -> list[int]:
+    """Drive the policy as an open-loop server with 16 requests running: each step one finishes
+    and a new one arrives, its prefill chunk (50 tokens) riding along, on a target compute-bound
+    from 8 tokens. Each step's drafts, summed over its requests."""
+    step_time = roofline(memory_bound_tokens=8, seconds=0.010)
+    running = [f"r{i}" for i in range(16)]
+    drafted, chosen = dict.fromkeys(running, 0), []
+    for step in range(steps):
+        tokens = len(running) + sum(drafted.values()) + 50
+        clock.now += float(step_time(tokens))
+        policy.observe_step(tokens, running, drafted, {r: min(accept, n) for r, n in drafted.items()})
+        depth = policy.heads_to_run([K] * 16)
+        policy.heads_timed(heads_seconds_per_position * depth)
+        lengths = policy.lengths(np.full((16, depth), confidence), [depth] * 16) if depth else [0] * 16
+        policy.end_step(running)
+        if stats is not None:
+            stats.record(lengths, policy.decided_by)
+        chosen.append(sum(lengths))
+        running = running[1:] + [f"new{step}"]
+        drafted = dict(zip(running, lengths[1:] + [0]))
+    return chosen
+
+
 def test_under_steady_arrivals_every_step_carries_a_prefill_and_still_counts():
     """An open-loop server: each step one request finishes, a new one arrives and its
     prefill chunk (50 tokens) rides along. The policy measures those steps (else it would
@@ -489,20 +513,7 @@ def test_under_steady_arrivals_every_step_carries_a_prefill_and_still_counts():
     cheap). A step after the engine sat idle (only new requests) is not a cost."""
     c = Clock()
     policy = GoodputPolicy(K, clock=c)
-    step_time = roofline(memory_bound_tokens=8, seconds=0.010)
-    running = [f"r{i}" for i in range(16)]
-    drafted, chosen = dict.fromkeys(running, 0), []
-    for step in range(60):
-        tokens = len(running) + sum(drafted.values()) + 50
-        c.now += float(step_time(tokens))
-        policy.observe_step(tokens, running, drafted, {r: min(1, n) for r, n in drafted.items()})
-        depth = policy.heads_to_run([K] * 16)
-        policy.heads_timed(0.0)
-        lengths = policy.lengths(np.full((16, depth), 0.9), [depth] * 16) if depth else [0] * 16
-        policy.end_step(running)
-        chosen.append(sum(lengths))
-        running = running[1:] + [f"new{step}"]
-        drafted = dict(zip(running, lengths[1:] + [0]))
+    chosen = run_steady_arrivals(policy, c, steps=60, confidence=0.9, accept=1)
     assert chosen[0] == 16 * K and chosen[-10:] == [0] * 10 and policy.base_tokens == 16
     assert not policy.step_costs.models  # no decode-only step: the prefill steps' tables decided
     samples = sum(len(s) for m in policy.prefill_step_costs.models.values() for s in m.samples.values())
@@ -732,20 +743,7 @@ def test_while_every_step_carries_a_prefill_chunk_no_look_measures_decode_steps(
     c = Clock()
     policy = GoodputPolicy(K, clock=c)
     stats = DraftStats(K)
-    step_time = roofline(memory_bound_tokens=8, seconds=0.010)
-    running = [f"r{i}" for i in range(16)]
-    drafted, per_step = dict.fromkeys(running, 0), []
-    for step in range(80):
-        tokens = len(running) + sum(drafted.values()) + 50
-        c.now += float(step_time(tokens))
-        policy.observe_step(tokens, running, drafted, {r: 0 for r in drafted})
-        depth = policy.heads_to_run([K] * 16)
-        policy.heads_timed(0.001 * depth)
-        lengths = policy.lengths(np.full((16, depth), 0.2), [depth] * 16) if depth else [0] * 16
-        policy.end_step(running)
-        stats.record(lengths, policy.decided_by)
-        running = running[1:] + [f"new{step}"]
-        drafted = dict(zip(running, lengths[1:] + [0]))
-        per_step.append(sum(lengths))
+    per_step = run_steady_arrivals(policy, c, steps=80, confidence=0.2, accept=0, heads_seconds_per_position=0.001,
+                                   stats=stats)
     assert stats.drafted_by["deeper_look"] == 0
     assert per_step[0] == 16 * K and sum(per_step[10:]) == 0  # the full budget only until measured
