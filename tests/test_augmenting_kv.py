@@ -6,7 +6,8 @@ and compared with the vLLM-free CloverHeads.augmented over the request's whole t
 history, computed from scratch with transformers. The engine prefills in 64-token chunks,
 is preempted (its KV freed and recomputed), and serves repeated prompts from the prefix
 cache, so all three paths must write and read the block's KV exactly where the base's is;
-and steps whose heads draft nothing (the goodput policy's choice under load) still write it.
+and steps whose heads draft nothing (the goodput policy's choice under load) still write it
+(through vLLM's own norm and rotary kernels, checked against the layer's modules).
 The longest request runs into max_model_len while the others go on: vLLM would skip the
 draft step of the whole batch there, and the block would miss that step's KV.
 """
@@ -60,6 +61,18 @@ def start_recording(worker):
         recording_draft_batch, recording_start_states, skipping_draft_depth)
 
 
+def compare_kv_write_paths(worker):
+    """Runs in the worker: the KV-only write's k and v through vLLM's kernels against the
+    layer's own modules (what the attending pass writes), on a step's worth of states."""
+    block = worker.model_runner.drafter.model.augment
+    hidden_states = torch.randn(37, block.norm.weight.shape[0])
+    positions = torch.randint(0, MAX_MODEL_LEN, (37,))
+    _, k, v = block.rotated_qkv(positions, hidden_states)
+    fast_k, fast_v = block.rotated_kv_with_kernels(positions, hidden_states)
+    return {"kernels_fit": block.kernels_fit(hidden_states),
+            "max_difference": max(float((fast_k - k).abs().max()), float((fast_v - v).abs().max()))}
+
+
 @pytest.fixture(scope="module")
 def recorded(demo_base):
     with pytest.MonkeyPatch.context() as env:
@@ -71,7 +84,8 @@ def recorded(demo_base):
         outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
         repeated = llm.generate(prompts[-2:], PARAMS, use_tqdm=False)  # the last to finish: still cached
         stats = {"preemptions": counter(llm, "vllm:num_preemptions"),
-                 "prefix_cache_hits": counter(llm, "vllm:prefix_cache_hits")}
+                 "prefix_cache_hits": counter(llm, "vllm:prefix_cache_hits"),
+                 "kv_write_paths": llm.collective_rpc(compare_kv_write_paths)[0]}
         records = llm.collective_rpc(lambda worker: worker.clover_records)[0]
         shutdown(llm)
     sequences = {o.request_id: o.prompt_token_ids + list(o.outputs[0].token_ids) for o in outputs + repeated}
@@ -82,6 +96,12 @@ def test_the_engine_chunked_preempted_and_hit_the_cache(recorded):
     _, _, stats = recorded
     assert stats["preemptions"] > 0
     assert stats["prefix_cache_hits"] > 0
+
+
+def test_the_kv_only_write_computes_what_the_layer_does(recorded):
+    _, _, stats = recorded
+    assert stats["kv_write_paths"]["kernels_fit"]  # the steps above wrote KV through the kernels
+    assert stats["kv_write_paths"]["max_difference"] < 1e-4
 
 
 def test_steps_near_max_model_len_still_draft_for_the_others(recorded):

@@ -33,6 +33,7 @@ from vllm.distributed import get_tp_group
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaModel
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
@@ -130,9 +131,31 @@ class AugmentingBlock(nn.Module):
         if attn.attn.attn_backend.forward_includes_kv_cache_update:  # a backend that writes only while attending
             self(positions, hidden_states)
             return
-        _, k, v = self.rotated_qkv(positions, hidden_states)
+        k, v = self.rotated_kv_with_kernels(positions, hidden_states) if self.kernels_fit(hidden_states) else \
+            self.rotated_qkv(positions, hidden_states)[1:]
         shape = (-1, attn.attn.num_kv_heads, attn.attn.head_size)
         unified_kv_cache_update(k.view(shape), v.view(shape), attn.attn.layer_name)
+
+    def kernels_fit(self, hidden_states: torch.Tensor) -> bool:
+        """Whether `rotated_kv_with_kernels` computes what `rotated_qkv` does: on CPUs, with the
+        plain rotary embedding (a scaled one computes its own) in the activations' dtype."""
+        rope = self.layer.self_attn.rotary_emb
+        return current_platform.is_cpu() and type(rope).forward_native is RotaryEmbedding.forward_native \
+            and rope.cos_sin_cache.dtype == hidden_states.dtype
+
+    def rotated_kv_with_kernels(self, positions: torch.Tensor,
+                                hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rotated_qkv`'s k and v through vLLM's own norm and rotary kernels, k alone rotated.
+        The engine runs those layers in their PyTorch-native forms, which its compiled graphs
+        fuse; run eagerly here, on the demo base at batch 64 they took 0.85 ms of the 1.5 ms
+        write (the norm 0.22, rotating q and k 0.63), the kernels ~0.01 each."""
+        attn, norm, rope = self.layer.self_attn, self.layer.input_layernorm, self.layer.self_attn.rotary_emb
+        normed = torch.empty_like(hidden_states)
+        ops.rms_norm(normed, hidden_states, norm.weight, norm.variance_epsilon)
+        qkv, _ = attn.qkv_proj(normed)
+        _, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        ops.rotary_embedding(positions, k, None, rope.head_size, rope.cos_sin_cache, rope.is_neox_style)  # in place
+        return k, v
 
     def finish(self, attention: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """Some rows' attention outputs and block inputs -> their h_0 (LlamaDecoderLayer's
