@@ -28,19 +28,25 @@ from vllm_clover_training.stdlib_corpus import heldout_prompts
 K, MAX_MODEL_LEN = 4, 640  # the longest prompt (547 tokens) reaches it; the rest stay below
 ENGINE = dict(disable_log_stats=False, enable_prefix_caching=True, max_num_seqs=16, max_model_len=MAX_MODEL_LEN,
               max_num_batched_tokens=64, kv_cache_memory_bytes=12 << 20)  # 16 blocks: preempts
+WRITE_DEFERRED_AT = 256  # tokens (the engine's 1024 would take longer spells without drafts to reach)
 PARAMS = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
 
 
 def start_recording(worker):
     """Runs in the worker: keep (request id, position, h_0) of every drafted row. Every third
-    step the heads are told to draft nothing, so the block writes that step's KV without
-    computing any h_0, and later drafts must still read it."""
+    step, and for spells of 40 steps, the heads are told to draft nothing, so the block puts
+    that step's KV off without computing any h_0 (written with the next drafting step's, or
+    once WRITE_DEFERRED_AT tokens have piled up), and later drafts must still read it."""
     import vllm_clover.proposer as proposer
+    import vllm_clover.vllm_models as vllm_models
 
-    runner, records = worker.model_runner, []
+    vllm_models.DEFERRED_KV_TOKENS = WRITE_DEFERRED_AT
+
+    runner, records, deferred_at_writes = worker.model_runner, [], []
     model = runner.drafter.model
-    worker.clover_records = records
+    worker.clover_records, worker.deferred_at_writes = records, deferred_at_writes
     draft_batch, start_states, draft_depth = proposer.draft_batch, model.start_states, model.heads.draft_depth
+    write_deferred_kv = model.write_deferred_kv
 
     def recording_draft_batch(sampled, *args, **kwargs):
         batch, rows = draft_batch(sampled, *args, **kwargs)
@@ -50,15 +56,19 @@ def start_recording(worker):
         return batch, rows
 
     def skipping_draft_depth(budgets, policy=None):
-        return 0 if len(records) % 3 == 0 else draft_depth(budgets, policy)
+        return 0 if len(records) % 3 == 0 or len(records) % 150 >= 110 else draft_depth(budgets, policy)
+
+    def counting_write_deferred_kv():
+        deferred_at_writes.append(model.deferred_kv.tokens)
+        write_deferred_kv()
 
     def recording_start_states(attention, hidden_states, rows=None):
         out = start_states(attention, hidden_states, rows)
         records[-1]["h0"] = out.clone()
         return out
 
-    proposer.draft_batch, model.start_states, model.heads.draft_depth = (
-        recording_draft_batch, recording_start_states, skipping_draft_depth)
+    proposer.draft_batch, model.start_states, model.heads.draft_depth, model.write_deferred_kv = (
+        recording_draft_batch, recording_start_states, skipping_draft_depth, counting_write_deferred_kv)
 
 
 def compare_kv_write_paths(worker):
@@ -85,7 +95,8 @@ def recorded(demo_base):
         repeated = llm.generate(prompts[-2:], PARAMS, use_tqdm=False)  # the last to finish: still cached
         stats = {"preemptions": counter(llm, "vllm:num_preemptions"),
                  "prefix_cache_hits": counter(llm, "vllm:prefix_cache_hits"),
-                 "kv_write_paths": llm.collective_rpc(compare_kv_write_paths)[0]}
+                 "kv_write_paths": llm.collective_rpc(compare_kv_write_paths)[0],
+                 "deferred_at_writes": llm.collective_rpc(lambda worker: worker.deferred_at_writes)[0]}
         records = llm.collective_rpc(lambda worker: worker.clover_records)[0]
         shutdown(llm)
     sequences = {o.request_id: o.prompt_token_ids + list(o.outputs[0].token_ids) for o in outputs + repeated}
@@ -96,6 +107,13 @@ def test_the_engine_chunked_preempted_and_hit_the_cache(recorded):
     _, _, stats = recorded
     assert stats["preemptions"] > 0
     assert stats["prefix_cache_hits"] > 0
+
+
+def test_kv_writes_were_put_off_and_written_in_both_ways(recorded):
+    _, _, stats = recorded
+    deferred = [tokens for tokens in stats["deferred_at_writes"] if tokens]
+    assert len(deferred) > 30  # written before a drafting step attended
+    assert max(deferred) >= WRITE_DEFERRED_AT  # written once that many had piled up
 
 
 def test_the_kv_only_write_computes_what_the_layer_does(recorded):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,8 +63,8 @@ def propose(runner: GPUModelRunner, model: HeadsDraftModel, scheduler_output: Sc
         budget=scheduler_output.num_spec_tokens_to_schedule,
         max_model_len=runner.max_model_len,
     )
-    with draft_attention(runner, model.kv_layer_names, common_attn_metadata, slot_mappings):
-        drafts = model.propose(batch)
+    attending = partial(draft_attention, runner, model.kv_layer_names, common_attn_metadata, slot_mappings)
+    drafts = model.propose(batch, attending, kv_slots(model.kv_layer_names, slot_mappings))
     if model.policy is not None:
         model.policy.end_step([req_ids[row] for row in rows])
     log_drafting(model)
@@ -105,6 +106,15 @@ def log_drafting(model: HeadsDraftModel) -> None:
                     (current["drafted"] - last[1]["drafted"]) / max(rows, 1),
                     100 * (current["steps_without_drafts"] - last[1]["steps_without_drafts"]) / steps, steps)
     model.stats_logged = (now, current)
+
+
+def kv_slots(layer_names: tuple[str, ...], slot_mappings: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
+    """This step's KV slots in the draft model's attention layer (None without one)."""
+    if not layer_names:
+        return None
+    if not isinstance(slot_mappings, dict) or layer_names[0] not in slot_mappings:
+        raise RuntimeError(f"vllm-clover: draft attention layer {layer_names[0]} has no slot mapping in this runner")
+    return slot_mappings[layer_names[0]]
 
 
 def draft_attention(runner: GPUModelRunner, layer_names: tuple[str, ...],

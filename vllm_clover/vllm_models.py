@@ -22,17 +22,20 @@ The runner hook (proposer.py) calls `propose`, not `forward`.
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
 from vllm import _custom_ops as ops
 from vllm.compilation.decorators import support_torch_compile
 from vllm.distributed import get_tp_group
+from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaModel
@@ -46,6 +49,9 @@ from vllm_clover.errors import CheckpointError
 from vllm_clover.layers import MakeScorer, top1_of
 from vllm_clover.methods import BY_NAME
 from vllm_clover.spec_config import ServingOptions, serving_options
+
+# Most tokens of augmenting-block KV writes put off (DeferredKvWrites) before they are written.
+DEFERRED_KV_TOKENS = 1024
 
 # Checkpoint tensor names of an augmenting block (TorchLlamaDecoderLayer + norm, clover.py).
 AUGMENT, AUGMENT_NORM = "augment.", "augment_norm.weight"
@@ -68,6 +74,15 @@ def cpu_draft_vocab_scorer(target_dtype: torch.dtype) -> MakeScorer | None:
                                             None).reshape(*hidden.shape[:-1], packed.shape[0])
 
     return make_scorer
+
+
+def cpu_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x weight^T + bias, through a oneDNN GEMM prepacked once where vLLM's CPU build has
+    one (what its own linear layers run), else a plain matmul."""
+    if not (current_platform.is_cpu() and ops._supports_onednn):
+        return lambda x: torch.nn.functional.linear(x, weight, bias)
+    handler = ops.create_onednn_mm(weight.t(), 32)
+    return lambda x: ops.onednn_mm(handler, x, bias)
 
 
 class VllmLmHead:
@@ -111,6 +126,7 @@ class AugmentingBlock(nn.Module):
         self.layer = LlamaDecoderLayer(vllm_config, prefix=maybe_prefix(prefix, f"layers.{target.num_hidden_layers}"),
                                        config=target)
         self.norm = RMSNorm(target.hidden_size, eps=target.rms_norm_eps)
+        self.kv_projection: Callable[[torch.Tensor], torch.Tensor] | None = None  # `keep_kv_projection`
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """Every token -> its attention output before the output projection; writes its KV."""
@@ -138,22 +154,34 @@ class AugmentingBlock(nn.Module):
 
     def kernels_fit(self, hidden_states: torch.Tensor) -> bool:
         """Whether `rotated_kv_with_kernels` computes what `rotated_qkv` does: on CPUs, with the
-        plain rotary embedding (a scaled one computes its own) in the activations' dtype."""
+        plain rotary embedding (a scaled one computes its own) in the activations' dtype, and
+        the k and v rows of an unquantized projection kept (`keep_kv_projection`)."""
         rope = self.layer.self_attn.rotary_emb
         return current_platform.is_cpu() and type(rope).forward_native is RotaryEmbedding.forward_native \
-            and rope.cos_sin_cache.dtype == hidden_states.dtype
+            and rope.cos_sin_cache.dtype == hidden_states.dtype and self.kv_projection is not None
+
+    def keep_kv_projection(self) -> None:
+        """The k and v rows of this rank's qkv projection as a linear map of their own, taken
+        once the weights are loaded and before vLLM's CPU linear layers pack them away: the
+        KV-only write projects to k and v alone (q is half the demo base's qkv rows, and its
+        projection 0.16 of a 0.65 ms write at batch 64). None for a quantized projection."""
+        qkv, attn = self.layer.self_attn.qkv_proj, self.layer.self_attn
+        self.kv_projection = None
+        if isinstance(qkv.quant_method, UnquantizedLinearMethod) and qkv.weight.dim() == 2:
+            bias = None if qkv.bias is None else qkv.bias.data[attn.q_size:].clone()
+            self.kv_projection = cpu_linear(qkv.weight.data[attn.q_size:].clone(), bias)
 
     def rotated_kv_with_kernels(self, positions: torch.Tensor,
                                 hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`rotated_qkv`'s k and v through vLLM's own norm and rotary kernels, k alone rotated.
-        The engine runs those layers in their PyTorch-native forms, which its compiled graphs
-        fuse; run eagerly here, on the demo base at batch 64 they took 0.85 ms of the 1.5 ms
-        write (the norm 0.22, rotating q and k 0.63), the kernels ~0.01 each."""
+        """`rotated_qkv`'s k and v through vLLM's own norm and rotary kernels, projected to k
+        and v alone (`keep_kv_projection`), k alone rotated. The engine runs those layers in
+        their PyTorch-native forms, which its compiled graphs fuse; run eagerly here, on the
+        demo base at batch 64 they took 0.85 ms of the 1.5 ms write (the norm 0.22, rotating
+        q and k 0.63), the kernels ~0.01 each."""
         attn, norm, rope = self.layer.self_attn, self.layer.input_layernorm, self.layer.self_attn.rotary_emb
         normed = torch.empty_like(hidden_states)
         ops.rms_norm(normed, hidden_states, norm.weight, norm.variance_epsilon)
-        qkv, _ = attn.qkv_proj(normed)
-        _, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        k, v = self.kv_projection(normed).split([attn.kv_size, attn.kv_size], dim=-1)
         ops.rotary_embedding(positions, k, None, rope.head_size, rope.cos_sin_cache, rope.is_neox_style)  # in place
         return k, v
 
@@ -194,6 +222,8 @@ class HeadsDraftModel(nn.Module):
         # Attention layers that need this step's metadata and KV slots while drafting.
         self.kv_layer_names: tuple[str, ...] = (
             (self.augment.layer.self_attn.attn.layer_name,) if self.with_augmenting_block else ())
+        self.deferred_kv = DeferredKvWrites()
+        self.vllm_config = vllm_config
         self._target: list[nn.Module] = []  # a list, so the target is not a submodule of ours
         self.target_dtype = vllm_config.model_config.dtype
         num_heads = self.heads.num_heads
@@ -232,6 +262,7 @@ class HeadsDraftModel(nn.Module):
             done = AutoWeightsLoader(self.augment.layer).load_weights(layer, mapper=LlamaModel.hf_to_vllm_mapper)
             loaded |= {f"augment.layer.{name}" for name in done}
             self.augment.norm.weight.data.copy_(tensors[AUGMENT_NORM])
+            self.augment.keep_kv_projection()
             loaded.add("augment.norm.weight")
         missing = {name for name, _ in self.named_parameters()} - loaded
         if missing:
@@ -261,9 +292,19 @@ class HeadsDraftModel(nn.Module):
             return hidden_states
         return self.augment.finish(attention if rows is None else attention[rows], hidden_states)
 
-    def propose(self, batch: DraftBatch) -> list[list[int]]:
+    def propose(self, batch: DraftBatch, attending: Callable[[], AbstractContextManager],
+                kv_slots: torch.Tensor | None) -> list[list[int]]:
+        """Up to each budget's drafts per row. `attending()`: the forward context in which the
+        augmenting block attends at this step's slots, `kv_slots`; a step that drafts nothing
+        only puts its KV writes off (`DeferredKvWrites`)."""
         depth = self.heads.draft_depth(batch.budgets, self.policy) if batch.budgets else 0
-        attention = self.write_augmenting_kv(batch.hidden_states, batch.positions, attend=depth > 0)
+        attention = None
+        if depth == 0 and self.defers_kv_writes():
+            self.defer_augmenting_kv(batch.hidden_states, batch.positions, kv_slots)
+        else:
+            self.write_deferred_kv()
+            with attending():
+                attention = self.write_augmenting_kv(batch.hidden_states, batch.positions, attend=depth > 0)
         if not batch.budgets:
             return []
         if depth == 0:
@@ -277,3 +318,52 @@ class HeadsDraftModel(nn.Module):
                 self.policy.heads_timed(time.perf_counter() - start)
         self.stats.record([len(d) for d in drafts], "rule" if self.policy is None else self.policy.decided_by)
         return drafts
+
+    def defers_kv_writes(self) -> bool:
+        """Whether a step that drafts nothing may put its augmenting-block KV off: there is a
+        block, and its attention backend writes KV apart from attending."""
+        return self.with_augmenting_block and \
+            not self.augment.layer.self_attn.attn.attn_backend.forward_includes_kv_cache_update
+
+    def defer_augmenting_kv(self, hidden_states: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        self.deferred_kv.add(hidden_states, positions, slots)
+        if self.deferred_kv.tokens >= DEFERRED_KV_TOKENS:
+            self.write_deferred_kv()
+
+    def write_deferred_kv(self) -> None:
+        """The deferred steps' KV in one write, before anything attends to it."""
+        deferred = self.deferred_kv.take()
+        if deferred is None:
+            return
+        hidden_states, positions, slots = deferred
+        with set_forward_context(None, self.vllm_config, slot_mapping={self.kv_layer_names[0]: slots}):
+            self.write_augmenting_kv(hidden_states, positions, attend=False)
+
+
+class DeferredKvWrites:
+    """Augmenting-block KV of steps whose heads drafted nothing, not written yet.
+
+    Under load the policy drafts in few steps, and each step's write on its own cost the
+    demo base 0.26 ms at batch 4 (a 3.3 ms step) and 0.65 ms at batch 64, mostly the fixed
+    cost of a dozen small ops; written many steps at once, it is paid once. Kept in step
+    order and written in that order before the block next attends, so where a slot changed
+    hands in between (a request finished or was preempted and its block reused, or a cached
+    prefix block evicted) the later step's KV is what stays, as if each had been written at
+    once. Copies: vLLM reuses its step buffers."""
+
+    def __init__(self):
+        self.parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.tokens = 0
+
+    def add(self, hidden_states: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        n = len(hidden_states)
+        self.parts.append((hidden_states.clone(), positions[:n].clone(), slots[:n].clone()))
+        self.tokens += n
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(hidden states, positions, slots) of every deferred token, in step order; none left."""
+        if not self.parts:
+            return None
+        parts, self.parts, self.tokens = self.parts, [], 0
+        hidden_states, positions, slots = (torch.cat(column) for column in zip(*parts))
+        return hidden_states, positions, slots
