@@ -480,6 +480,21 @@ def test_the_summary_shows_each_confidence_bins_served_counts_beside_its_planned
     assert rates.shape == (K, 10) and rates[0, 8] > 0.9 > 0.2 > rates[1, 8]
 
 
+def test_work_put_off_from_earlier_steps_is_not_a_cost_of_the_step_that_does_it():
+    """Clover's augmenting block writes the KV of steps that drafted nothing when it next
+    drafts: that time is left out of the step's sample, as the heads' time is."""
+    plain, deferring = (GoodputPolicy(K, clock=(c := Clock())), c), (GoodputPolicy(K, clock=(d := Clock())), d)
+    ids = ["r0", "r1"]
+    for step in range(8):
+        for policy, clock in (plain, deferring):
+            clock.now += 0.010
+            policy.observe_step(2, ids, {}, {r: 0 for r in ids})
+            policy.heads_timed(0.0)
+        deferring[1].now += 0.004 * (step % 3)  # the writes, inside the draft step
+        deferring[0].deferred_work_timed(0.004 * (step % 3))
+    assert deferring[0].step_costs.as_dict() == plain[0].step_costs.as_dict() != {}
+
+
 def run_steady_arrivals(policy: GoodputPolicy, clock: Clock, steps: int, confidence: float, accept: int,
                         heads_seconds_per_position: float = 0.0, stats: DraftStats | None = None) -> list[int]:
     """Drive the policy as an open-loop server with 16 requests running: each step one finishes

@@ -674,6 +674,7 @@ class GoodputPolicy:
         self._threshold: tuple[tuple | None, float] = (None, 0.0)  # (computed from, rate): `_nothing_pays`
         self._step_estimate: Estimate | None = None  # the step times the latest plans read
         self._heads_seconds = 0.0
+        self._deferred_seconds = 0.0
         self._heads_run = 0
         self._rows = 0
         self._confidence = np.zeros((0, 0))          # this step's rows' confidences [R, k]
@@ -700,8 +701,9 @@ class GoodputPolicy:
         now = self.clock()
         decode_only = num_tokens == len(req_ids) + sum(verified.values()) and len(accepted) == len(req_ids)
         if self._last_step_start is not None and not self._running.isdisjoint(req_ids):
-            # Since the last draft step began: its heads, then this whole engine step.
-            seconds = now - self._last_step_start
+            # Since the last draft step began: its heads, then this whole engine step (not work
+            # put off from earlier steps, `deferred_work_timed`).
+            seconds = now - self._last_step_start - self._deferred_seconds
             costs = self.step_costs if decode_only else self.prefill_step_costs
             costs.observe(len(req_ids), num_tokens, seconds - self._heads_seconds, look=bool(self._looked))
             if self._looked is not None:
@@ -711,6 +713,7 @@ class GoodputPolicy:
         self.looks.next_step()
         self._steps += 1
         self._last_step_start, self._heads_seconds, self._heads_run, self._looked = now, 0.0, 0, None
+        self._deferred_seconds = 0.0
         self._running = set(req_ids)
         self._decoding_only = decode_only
         self.base_tokens = max(len(accepted), 1)
@@ -731,6 +734,13 @@ class GoodputPolicy:
         self._heads_seconds = seconds
         if self._heads_run:
             self.heads_costs.observe(self._rows, self._heads_run, seconds, look=bool(self._looked))
+
+    def deferred_work_timed(self, seconds: float) -> None:
+        """This draft step spent `seconds` on work earlier steps put off (Clover's augmenting
+        block writes the KV of steps that drafted nothing when it next drafts): paid whatever
+        is drafted, so not a cost of this step's size. Counted in, each drafting step after a
+        spell without drafts would look dearer by that spell's writes."""
+        self._deferred_seconds += seconds
 
     def end_step(self, req_ids: list[str]) -> None:
         """The request id of each row that `lengths` was given, in the same order."""

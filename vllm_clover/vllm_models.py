@@ -335,9 +335,11 @@ class HeadsDraftModel(nn.Module):
         deferred = self.deferred_kv.take()
         if deferred is None:
             return
-        hidden_states, positions, slots = deferred
+        start, (hidden_states, positions, slots) = time.perf_counter(), deferred
         with set_forward_context(None, self.vllm_config, slot_mapping={self.kv_layer_names[0]: slots}):
             self.write_augmenting_kv(hidden_states, positions, attend=False)
+        if self.policy is not None:
+            self.policy.deferred_work_timed(time.perf_counter() - start)
 
 
 class DeferredKvWrites:
