@@ -22,6 +22,7 @@ from vllm import SamplingParams
 
 from conftest import DEMO_HEADS, counter, make_llm, shutdown, speculative
 from vllm_clover.checkpoint import build_heads_module, load_heads
+from vllm_clover.vllm_models import DeferredKvWrites
 from vllm_clover_training.base import load_base
 from vllm_clover_training.stdlib_corpus import heldout_prompts
 
@@ -107,6 +108,19 @@ def test_the_engine_chunked_preempted_and_hit_the_cache(recorded):
     _, _, stats = recorded
     assert stats["preemptions"] > 0
     assert stats["prefix_cache_hits"] > 0
+
+
+def test_deferred_writes_keep_only_the_latest_write_to_each_slot():
+    """A slot that changed hands between two deferred steps (a finished request's block
+    reused) gets the later step's KV, and is written once."""
+    deferred = DeferredKvWrites()
+    deferred.add(torch.tensor([[1.0], [2.0], [3.0]]), torch.tensor([0, 1, 2]), torch.tensor([10, 11, 12, 99]))
+    deferred.add(torch.tensor([[4.0], [5.0]]), torch.tensor([7, 8]), torch.tensor([11, 13]))
+    assert deferred.tokens == 5
+    hidden_states, positions, slots = deferred.take()
+    written = {slot: (h, p) for slot, h, p in zip(slots.tolist(), hidden_states[:, 0].tolist(), positions.tolist())}
+    assert len(slots) == 4 and written == {10: (1.0, 0), 11: (4.0, 7), 12: (3.0, 2), 13: (5.0, 8)}
+    assert deferred.take() is None and deferred.tokens == 0
 
 
 def test_kv_writes_were_put_off_and_written_in_both_ways(recorded):

@@ -348,10 +348,11 @@ class DeferredKvWrites:
     Under load the policy drafts in few steps, and each step's write on its own cost the
     demo base 0.26 ms at batch 4 (a 3.3 ms step) and 0.65 ms at batch 64, mostly the fixed
     cost of a dozen small ops; written many steps at once, it is paid once. Kept in step
-    order and written in that order before the block next attends, so where a slot changed
-    hands in between (a request finished or was preempted and its block reused, or a cached
-    prefix block evicted) the later step's KV is what stays, as if each had been written at
-    once. Copies: vLLM reuses its step buffers."""
+    order, and written before the block next attends, only the latest write to each slot: where
+    a slot changed hands in between (a request finished or was preempted and its block reused,
+    or a cached prefix block evicted) the later step's KV is what stays, as if each had been
+    written at once (one write with a slot twice would leave it to the kernel's threads which
+    one lands). Copies: vLLM reuses its step buffers."""
 
     def __init__(self):
         self.parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -368,4 +369,16 @@ class DeferredKvWrites:
             return None
         parts, self.parts, self.tokens = self.parts, [], 0
         hidden_states, positions, slots = (torch.cat(column) for column in zip(*parts))
-        return hidden_states, positions, slots
+        latest = latest_per_slot(slots)
+        if latest is None:
+            return hidden_states, positions, slots
+        return hidden_states[latest], positions[latest], slots[latest]
+
+
+def latest_per_slot(slots: torch.Tensor) -> torch.Tensor | None:
+    """The index of each slot's last occurrence in `slots`, or None where none repeats."""
+    unique, inverse = torch.unique(slots, return_inverse=True)
+    if len(unique) == len(slots):
+        return None
+    order = torch.arange(len(slots), device=slots.device)
+    return torch.zeros_like(unique).scatter_reduce_(0, inverse, order, "amax", include_self=False)
