@@ -19,6 +19,7 @@ from vllm_clover.draft_policy import (
     EXPLORE_STEPS,
     RECENT_ROWS,
     SAMPLES_PER_BUCKET,
+    SETTLED_STEPS,
     AcceptanceModel,
     CostModel,
     CostsByBatch,
@@ -122,7 +123,7 @@ def test_a_policy_skipping_plans_below_the_threshold_decides_as_one_that_plans_e
     monkeypatch.setattr(draft_policy, "first_draft_threshold", lambda *args: -1.0)  # never below it
     assert serve() == with_shortcut
     assert len(plans) == 400 - 3 > 2 * planned_with_shortcut  # (the first 3 steps measure, unplanned)
-    assert sum(1 for lengths in with_shortcut[100:] if sum(lengths)) > 0  # not a policy that never drafts
+    assert sum(1 for lengths in with_shortcut[20:] if sum(lengths)) > 0  # not a policy that never drafts
 
 
 def test_a_gain_inside_the_step_tables_noise_drafts_nothing():
@@ -341,6 +342,22 @@ def test_an_unmeasured_batch_size_is_read_per_request_from_its_nearest_neighbour
     assert estimate(8, [steps, prefill])(np.array([40]))[0] == pytest.approx(0.036)
 
 
+def test_a_batch_size_passed_through_is_no_neighbour_to_extend_with():
+    """The demo base's batch 64 had measured its decodes alone; a wave draining through batch
+    45 had measured 48 tokens there, the same reach per request. Taken as the extension it
+    lent no slope, so drafts past 64 tokens were priced flat and looked at for 12 steps a
+    round; batch 16, which measured drafts, is the neighbour that reaches further."""
+    steps = CostsByBatch(sizes_per_batch=True)
+    for _ in range(3):
+        steps.observe(64, 64, 0.024)
+        steps.observe(45, 48, 0.020)
+        for n, seconds in ((16, 0.007), (32, 0.013), (43, 0.016)):
+            steps.observe(16, n, seconds)
+    at_64 = estimate(64, [steps])
+    assert at_64.source(128) == (steps, bucket(16))
+    assert at_64(np.array([128]))[0] == pytest.approx(0.024 * 0.013 / 0.007)  # batch 16's rise from 1 to 2 a request
+
+
 def test_a_step_seen_rising_is_not_priced_flat_past_its_largest_measured_size():
     """SmolLM2 at batch 4 had measured 4- and 8-token steps (2 ms a token) and batch 1 flat
     over 1-4 tokens: read per request, batch 1 said 8-16 tokens cost alike at batch 4, so
@@ -415,6 +432,22 @@ def test_a_look_one_deeper_begun_at_a_waves_first_step_is_begun_again_at_that_ba
     run_steps(policy, c, 4, step_time, steps=30, accept=K)  # where the look runs on
     steps = run_steps(policy, c, 1, step_time, steps=60, accept=K)
     assert steps[-10:] == [[3]] * 10  # the 4 tokens a step that reads the weights once runs
+
+
+def test_a_draining_wave_begins_no_look_at_the_sizes_it_passes_through():
+    """A wave of 64 draining as its requests finish: a new batch size every few steps, none
+    measured. A look one draft deeper begun at each (the demo base's warm-up: at 53, 36, 11
+    and 2 rows) drafts every request for sizes no plan runs at; the policy looks only at a
+    batch size held for SETTLED_STEPS decode-only steps."""
+    c = Clock()
+    policy, stats = GoodputPolicy(K, clock=c), DraftStats(K)
+    step_time = roofline(memory_bound_tokens=4, seconds=0.010)
+    run_steps(policy, c, 64, step_time, steps=30, accept=0)
+    for batch in (45, 32, 23, 16, 11, 8, 6, 4):
+        run_steps(policy, c, batch, step_time, steps=SETTLED_STEPS - 1, accept=0, stats=stats)
+    assert stats.drafted_by["deeper_look"] == 0
+    run_steps(policy, c, 4, step_time, steps=EXPLORE_STEPS, accept=0, stats=stats)  # held: now it measures
+    assert stats.drafted_by["deeper_look"] > 0
 
 
 def test_non_decreasing_pools_violators_by_weight():
@@ -539,19 +572,19 @@ def test_under_steady_arrivals_every_step_carries_a_prefill_and_still_counts():
 
 def test_a_policy_that_stopped_drafting_looks_one_draft_deeper_less_and_less_often():
     c = Clock()
-    steps = run_steps(GoodputPolicy(K, clock=c), c, 64, roofline(), steps=30 + 7 * EXPLORE_AFTER + 2 * EXPLORE_STEPS,
-                      accept=0)
+    steps = run_steps(GoodputPolicy(K, clock=c), c, 64, roofline(), steps=30 + 15 * EXPLORE_AFTER, accept=0)
     looks = [i for i, s in enumerate(steps) if i >= 30 and sum(s) and not sum(steps[i - 1])]
     # each look EXPLORE_STEPS steps of one draft per request (the plan's 0, plus one); the gap
-    # doubles while looking does not pay
+    # doubles while looking does not pay (from the first look, begun to measure one draft deeper)
     assert all(steps[i:i + EXPLORE_STEPS] == [[1] * 64] * EXPLORE_STEPS for i in looks)
-    assert np.diff(looks).tolist() == [2 * EXPLORE_AFTER, 4 * EXPLORE_AFTER]
+    assert np.diff(looks).tolist() == [4 * EXPLORE_AFTER, 8 * EXPLORE_AFTER]
 
 
 def test_each_draft_is_counted_by_what_decided_it():
     """Under load the plan stops drafting; what is drafted after that comes from looks, each
     EXPLORE_STEPS steps of one draft per request: first the one begun to measure one draft
-    deeper (never measured at batch 64), then the scheduled one EXPLORE_AFTER steps later."""
+    deeper (never measured at batch 64) once the batch has held SETTLED_STEPS steps, then,
+    as that did not pay, the scheduled one 2 * EXPLORE_AFTER steps later."""
     c = Clock()
     policy, stats = GoodputPolicy(K, clock=c), DraftStats(K)
     steps = run_steps(policy, c, 64, roofline(), steps=30 + 2 * EXPLORE_AFTER, accept=0, stats=stats)
@@ -559,12 +592,13 @@ def test_each_draft_is_counted_by_what_decided_it():
     assert sum(by.values()) == stats.drafted == sum(map(sum, steps)) and by["rule"] == 0
     measured = next(i for i, s in enumerate(steps) if s != [K] * 64)
     assert by["plan"] == measured * K * 64  # the full budget until the step time is measured
-    look = [1] * 64  # the plan's 0, plus one
-    assert steps[measured:measured + EXPLORE_STEPS] == [look] * EXPLORE_STEPS
+    look, deeper = [1] * 64, SETTLED_STEPS - 1  # the plan's 0, plus one; the steps count from the first
+    assert steps[measured:deeper] == [[0] * 64] * (deeper - measured)
+    assert steps[deeper:deeper + EXPLORE_STEPS] == [look] * EXPLORE_STEPS
     # Once: then batch 64 has measured one deeper; two deeper needs no look, the full budget
     # (measured first) being larger.
     assert by["deeper_look"] == EXPLORE_STEPS * 64
-    scheduled = measured + EXPLORE_AFTER
+    scheduled = deeper + 2 * EXPLORE_AFTER
     assert steps[scheduled:scheduled + EXPLORE_STEPS] == [look] * EXPLORE_STEPS
     assert by["look"] == EXPLORE_STEPS * 64  # the next one comes twice as late: none paid
 
@@ -625,10 +659,9 @@ def test_a_look_at_a_batch_size_no_planned_step_ran_leaves_the_interval():
 
 def test_a_policy_prices_its_looks_relative_to_its_planned_steps():
     """The policy's tables get the look flag. At batch 64 drafts never pay: after the
-    full-budget steps that measure, a look one deeper at once (`_measure_deeper`), later one
-    on schedule beside steps without drafts; then the machine slows by half. The scheduled
-    look's 4 samples slow with the steps planned since; the first look's stand as taken
-    (the full-budget steps beside it were not re-run): the median lies halfway."""
+    full-budget steps that measure, a look one deeper once the batch has held
+    (`_measure_deeper`), beside steps without drafts; then the machine slows by half. The
+    look's samples slow with the steps planned since."""
     c, speed = Clock(), [1.0]
     policy = GoodputPolicy(K, clock=c)
 
@@ -638,7 +671,7 @@ def test_a_policy_prices_its_looks_relative_to_its_planned_steps():
     run_steps(policy, c, 64, step_time, steps=30 + EXPLORE_AFTER + EXPLORE_STEPS, accept=0)
     speed[0] = 1.5
     run_steps(policy, c, 64, step_time, steps=SAMPLES_PER_BUCKET)
-    assert policy.step_costs.models[bucket(64)].predict(np.array([128]))[0] == pytest.approx(1.25 * roofline()(128))
+    assert policy.step_costs.models[bucket(64)].predict(np.array([128]))[0] == pytest.approx(1.5 * roofline()(128))
 
 
 def test_under_tensor_parallelism_every_rank_runs_the_heads_as_deep_as_rank_0():

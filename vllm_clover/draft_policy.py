@@ -31,8 +31,9 @@ the nearest measured one's figures (`estimate`); until any is measured the polic
 the full budget, which is also how it measures. Every so often it looks past its plan (one
 draft deeper, or none at all), to re-measure what it no longer does (`Looks`: less often
 while looking does not pay), and at once where one draft deeper (two, from a plan of none)
-has not been measured at this batch size or one a little smaller, unless the plan reads it
-from a smaller batch size that measured it (too cheap, if wrong: `_measure_deeper`).
+has not been measured at this batch size or one a little smaller, once the batch has held
+its size a few steps, unless the plan reads it from a smaller batch size that measured it
+(too cheap, if wrong: `_measure_deeper`).
 
 `fixed` (speculative_config "draft_policy": "fixed") keeps each method's own rule: Clover
 drafts its budget, CLP thresholds its predicted length at tau.
@@ -74,6 +75,11 @@ NEAR_OCTAVES = 2
 # unmeasured, until this many of such looks' steps ran at the size's own batch size: steps
 # that carry prefill chunks never reach the decode tables, and may be all there is.
 DEEPER_LOOK_STEPS = 2 * EXPLORE_STEPS
+# A look begun to measure a batch size runs only once the batch has held that size (its bucket)
+# for this many decode-only steps: one measures a size for the plans that follow at it, and a
+# draining wave passes through a new size every few steps (`GoodputPolicy._measure_deeper`).
+SETTLED_STEPS = 2 * EXPLORE_STEPS
+FURTHER_BY = 0.5  # drafts per request by which a neighbour must reach past a batch's own steps (`estimate`)
 LOOK_REFERENCE_STEPS = 64  # the latest steps a look is judged against (its own among them)
 # The cost functions a plan reads (and Clover's depth plan) are rebuilt this often, and at
 # once for another batch size or a size newly measured: building them takes medians over
@@ -435,15 +441,22 @@ def estimate(requests: int, tables: list[CostsByBatch]) -> Estimate | None:
     as at the nearest batch size measured further, where that is dearer than its own last
     slope goes on (the only guess for steps that never drafted), in the first table that has
     one: a prefill step's tokens cost less each than drafts verified across the batch, so
-    decode steps of another batch size, read per request, are the better guess for drafts."""
+    decode steps of another batch size, read per request, are the better guess for drafts.
+
+    "Further" by at least FURTHER_BY of a draft per request (a position, for the heads): a
+    batch size the engine only passed through (a wave draining, 64 requests to 1) measured
+    its decodes alone, the same per-request reach read through two medians, and one size
+    lends no slope. Taken as the extension, it priced every draft past it flat and kept the
+    plan from reading a smaller batch size that had measured drafts (`_priced_from_smaller`):
+    the demo base's Clover at batch 64, extended by batch 45's 48-token steps, looked one and
+    two drafts deeper for 12 steps a round (0.14 drafted tokens a request-step, all looks)."""
     ranked = nearest_measured(requests, tables)
     if not ranked:
         return None
     predict, largest = ranked[0][0].scaled(ranked[0][1], requests)
     for extension in sorted(ranked[1:], key=lambda found: tables.index(found[0])):  # stable: nearest first
         shape, reach = extension[0].scaled(extension[1], requests)
-        # "Further": beyond the 1% by which the same per-request reach, read through two medians, can differ.
-        if reach > 1.01 * largest:
+        if reach >= largest + FURTHER_BY * (requests if extension[0].sizes_per_batch else 1):
             break
     else:
         return Estimate(predict, ranked[0], largest, None)
@@ -660,6 +673,8 @@ class GoodputPolicy:
         self.base_tokens = 1          # the next step's decodes: requests that sampled a token in this one
         self._running: set[str] = set()  # the requests of the last step
         self._decoding_only = False  # whether the last step ran decodes (and drafts) alone
+        self._batch_bucket = -1      # the last step's batch-size bucket,
+        self._settled_steps = 0      # and the decode-only steps it has held since it changed
         self.looks = Looks()
         self._looked: bool | None = None  # this step's lengths: a look's (True), planned (False), neither (None)
         # (table, batch bucket, size bucket): each found measured, or looked at long enough (`_measure_deeper`)
@@ -716,12 +731,20 @@ class GoodputPolicy:
         self._deferred_seconds = 0.0
         self._running = set(req_ids)
         self._decoding_only = decode_only
+        self._note_batch_bucket(bucket(len(req_ids)), decode_only)
         self.base_tokens = max(len(accepted), 1)
         if self._pending is not None:
             drafted_ids, confidence, lengths = self._pending
             judged = np.minimum([verified.get(r, 0) for r in drafted_ids], lengths)
             self.acceptance.observe(confidence, judged, np.array([accepted.get(r, 0) for r in drafted_ids]))
         self._pending, self._lengths = None, np.zeros(0, dtype=np.int64)
+
+    def _note_batch_bucket(self, batch_bucket: int, decode_only: bool) -> None:
+        """Count the decode-only steps the batch size has held (steps carrying a prefill chunk
+        neither count nor break the count: under arrivals they come between decodes)."""
+        if batch_bucket != self._batch_bucket:
+            self._batch_bucket, self._settled_steps = batch_bucket, 0
+        self._settled_steps += decode_only
 
     @property
     def decided_by(self) -> str:
@@ -857,8 +880,11 @@ class GoodputPolicy:
         step's (`step_costs`), and while prompts keep arriving every step carries a prefill
         chunk, so a look begun then measured nothing and drafted its DEEPER_LOOK_STEPS steps
         for nothing (SmolLM2's ramped load at its peak, README: 394 drafted tokens in 12
-        look steps, mostly steps with prefill chunks, accepted 13%)."""
-        if self.looks.now() or not self._decoding_only:
+        look steps, mostly steps with prefill chunks, accepted 13%). And only at a batch size
+        held for SETTLED_STEPS decode-only steps: a draining wave passes a new size every few
+        steps, and the demo base's warm-up began a look at each (53, 36, 11, 2 rows), each
+        drafting for sizes no plan would run at."""
+        if self.looks.now() or not self._decoding_only or self._settled_steps < SETTLED_STEPS:
             return
         for by in (1, 2) if not any(plan) else (1,):
             lengths = deeper(plan, budgets, by)
