@@ -306,6 +306,8 @@ def start_engine(method: str, args, prompts: list) -> Engine:
               enforce_eager=args.enforce_eager)
     try:
         warm_up(llm, args, prompts)
+        if args.never_draft:
+            llm.collective_rpc(draft_nothing)
         llm.collective_rpc(install_step_timers, args=(args.profile,))
         return Engine(llm, own_spec_decode_counters(llm, args.k))
     except BaseException:
@@ -333,6 +335,18 @@ def warm_up(llm, args, prompts: list) -> None:
                             ignore_eos=True)
     for batch_size in sorted(set(args.batch_sizes), reverse=True):
         llm.generate(prompts[:batch_size], params, use_tqdm=False)
+
+
+def draft_nothing(worker) -> None:
+    """Runs in the worker (`--never-draft`): our draft model's goodput policy decides no drafts
+    at every step, without planning, so the engine pays what speculation costs a step that
+    drafts nothing (vLLM's speculative path, our draft step's bookkeeping, Clover's deferred
+    KV writes, CLP's length predictor): the floor under the policy's "none". Engines with
+    the fixed rule, or not ours, are left as they are."""
+    policy = getattr(getattr(getattr(worker.model_runner, "drafter", None), "model", None), "policy", None)
+    if policy is not None:
+        policy.heads_to_run = lambda budgets: 0
+        policy.lengths = lambda confidence, budgets, heads_to_run=False: [0] * len(budgets)
 
 
 def shutdown(llm) -> None:
@@ -639,6 +653,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "spread between rounds instead of a bias)")
     parser.add_argument("--profile", action="store_true",
                         help="also time the parts of an engine step (target forward, sampling, our draft step's parts)")
+    parser.add_argument("--never-draft", action="store_true",
+                        help="the goodput policy of our methods drafts nothing, ever: what a speculative "
+                             "engine costs a step without drafts, against vanilla")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     args.methods = args.methods.split(",")

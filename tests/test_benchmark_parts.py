@@ -170,8 +170,8 @@ def test_step_breakdown_splits_the_draft_step():
 @pytest.mark.parametrize("results_file,section,batches", [
     (RESULTS, "results", [1, 4, 8, 16, 32, 64]),
     (SMOLLM2_RESULTS, "smollm2-results", [1, 4, 16, 64]),
-    (POLICY_RESULTS / "demo-deferred-kv.json", "policy-demo", [1, 4, 16, 64]),
-    (POLICY_RESULTS / "smollm2-deferred-kv.json", "policy-smollm2", [1, 4, 16, 64]),
+    (POLICY_RESULTS / "demo-settled.json", "policy-demo", [1, 4, 16, 64]),
+    (POLICY_RESULTS / "smollm2-settled.json", "policy-smollm2", [1, 4, 16, 64]),
     (RESULTS.parent / "peer.json", "demo-peer", [1, 4]),
     (SMOLLM2_RESULTS.parent / "peer.json", "smollm2-peer", [1, 4]),
 ])
@@ -238,21 +238,23 @@ def test_a_failing_method_is_reported_and_the_run_completes(tmp_path, monkeypatc
 
 def test_fresh_engines_are_loaded_for_every_round_in_a_rotated_order(tmp_path, monkeypatch):
     """--fresh-engines: each round starts every engine anew (the first round's first engine
-    is the second round's last) and measures it at every batch size; results look as usual."""
+    is the second round's last) and measures it at every batch size; results look as usual.
+    With --never-draft our method's policy drafts nothing in any engine, warmed-up or anew."""
     from benchmarks import run
 
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # run.main sets it; restored after the test
     started, start_engine = [], run.start_engine
     monkeypatch.setattr(run, "start_engine", lambda method, *a: started.append(method) or start_engine(method, *a))
-    result = run.main(["--methods", "vanilla,vanilla-2", "--batch-sizes", "1,2", "--num-prompts", "2,3",
-                       "--max-tokens", "6", "--rounds", "2", "--fresh-engines", "--enforce-eager",
+    result = run.main(["--methods", "vanilla,clover", "--batch-sizes", "1,2", "--num-prompts", "2,3",
+                       "--max-tokens", "6", "--rounds", "2", "--fresh-engines", "--enforce-eager", "--never-draft",
                        "--out", str(tmp_path / "r.json")], summary=False)
-    assert started == ["vanilla", "vanilla-2", "vanilla-2", "vanilla"] and result["failed"] == {}
+    assert started == ["vanilla", "clover", "clover", "vanilla"] and result["failed"] == {}
     for batch, prompts in (("1", 2), ("2", 3)):  # at batch 2 the third prompt replaces the first to finish
-        second = result["results"]["vanilla-2"][batch]
+        second = result["results"]["clover"][batch]
         assert second["rounds"] == 2 and second["rounds_agree"] and second["mismatches"] == [0] * prompts
         low, high = second["speedup_range"]
         assert low <= second["speedup_over_vanilla"] <= high
+        assert second["drafting"]["stats"]["rows"] > 0 and second["drafting"]["stats"]["drafted"] == 0
 
 
 def test_interleaved_rounds_with_profile_in_real_engines(tmp_path, monkeypatch):
