@@ -25,7 +25,8 @@ def step(query_lens: list[int], sampled: list[list[int]], num_draft_tokens: list
     total = query_start_loc[-1]
     hidden = torch.arange(total, dtype=torch.float32)[:, None].expand(total, H)
     positions = torch.arange(100, 100 + total)
-    return draft_batch(sampled, query_start_loc, num_draft_tokens, hidden, positions, budget, max_model_len)
+    longest = int(positions.max()) + 1 if total else 0  # vLLM's max_seq_len: positions run from 0
+    return draft_batch(sampled, query_start_loc, num_draft_tokens, hidden, positions, budget, max_model_len, longest)
 
 
 def test_decodes_without_drafts_continue_from_their_only_token():

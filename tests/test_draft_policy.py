@@ -450,6 +450,36 @@ def test_a_draining_wave_begins_no_look_at_the_sizes_it_passes_through():
     assert stats.drafted_by["deeper_look"] > 0
 
 
+def test_a_policy_that_skips_searches_known_to_find_nothing_decides_as_one_that_searches_every_step(monkeypatch):
+    """`_measure_deeper` keeps the inputs it last found nothing to measure for and skips the
+    search while they last: over batch sizes met, left and met again (looks begun, sizes
+    given up on, estimates rebuilt), the same lengths every step as a policy searching anew
+    every step, for a fraction of the searches."""
+    searches = []
+    unmeasured = GoodputPolicy._unmeasured
+    monkeypatch.setattr(GoodputPolicy, "_unmeasured", lambda *args, **kw: searches.append(1) or unmeasured(*args, **kw))
+
+    def serve(forget: bool) -> list[list[int]]:
+        searches.clear()
+        c = Clock()
+        policy, chosen = GoodputPolicy(K, clock=c), []
+        if forget:
+            measure_deeper = policy._measure_deeper
+
+            def searching_anew(*args, **kw):
+                policy._nothing_deeper = None
+                measure_deeper(*args, **kw)
+            policy._measure_deeper = searching_anew
+        for batch, memory_bound_tokens in ((64, 8), (16, 8), (1, 4), (4, 4), (1, 4), (16, 32)):
+            chosen += run_steps(policy, c, batch, roofline(memory_bound_tokens), steps=120, accept=2)
+        return chosen
+
+    remembering, searched = serve(forget=False), len(searches)
+    assert serve(forget=True) == remembering
+    assert 3 * searched < len(searches)
+    assert all(map(sum, remembering[5 * 120 - 20: 5 * 120]))  # batch 1, met again: it drafts
+
+
 def test_non_decreasing_pools_violators_by_weight():
     assert non_decreasing(np.array([1.0, 5.0, 3.0, 6.0]), [1, 1, 3, 1]).tolist() == [1.0, 3.5, 3.5, 6.0]
     assert non_decreasing(np.array([2.0, 1.0]), [1, 1]).tolist() == [1.5, 1.5]

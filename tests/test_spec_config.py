@@ -19,6 +19,7 @@ from conftest import DEMO_HEADS, ENGINE_DEFAULTS, speculative
 from vllm_clover.errors import CheckpointError, SpecConfigError, VllmCloverError, VllmInternalsChanged
 from vllm_clover.patches import (
     DRAFTS_ATTR,
+    NO_DRAFTS,
     PATCHES,
     PREPARED_ATTR,
     RUNNER_READS,
@@ -249,8 +250,9 @@ def test_trust_mode_makes_each_draft_the_only_choice():
 
 def test_drafts_reach_the_scheduler_with_the_sampled_tokens():
     """The worker attaches our runner's drafts to the step's output; the scheduler takes them
-    from there and post_step skips its round trip to the worker. Other runners' outputs, and
-    steps whose output carried no drafts, keep vLLM's own path."""
+    from there and post_step skips its round trip to the worker, and for a step that drafted
+    nothing, the update too. Other runners' outputs, and steps whose output carried no
+    drafts, keep vLLM's own path."""
     import pickle
     from types import SimpleNamespace
 
@@ -294,6 +296,50 @@ def test_drafts_reach_the_scheduler_with_the_sampled_tokens():
     update_from_output(core.scheduler, None, shared)  # an output without drafts: vLLM's RPC
     post_step(core, True)
     assert core.scheduler.updates == [[[5, 6], []]] and rpcs == [True]
+
+    drafts = DraftTokenIds(["a", "b"], [[], []])  # a step that drafted nothing
+    nothing = pickle.loads(pickle.dumps(sample_tokens(ours, None)))
+    assert getattr(nothing, DRAFTS_ATTR) == NO_DRAFTS
+    update_from_output(core.scheduler, None, nothing)
+    post_step(core, True)
+    assert core.scheduler.updates == [[[5, 6], []]] and rpcs == [True]  # neither an update nor the RPC
+
+
+def test_steps_without_drafts_prepare_inputs_like_plain_decoding():
+    """Our runners prepare a step with no scheduled drafts as an engine without speculation
+    does (vLLM's branch on `speculative_config is None`), and have their speculative config
+    back after it, also when preparing fails; steps with drafts, other runners, hybrid targets
+    and requests under a thinking budget keep vLLM's speculative branch."""
+    from types import SimpleNamespace
+
+    from vllm_clover.vllm_models import HeadsDraftModel
+
+    def prepare(runner, scheduler_output, num_scheduled_tokens):
+        if num_scheduled_tokens == "fail":
+            raise ValueError("preparing failed")
+        return runner.speculative_config
+
+    prepare_inputs = {p.name: p.wrap for p in PATCHES}["plain_inputs_without_drafts"](prepare)
+    no_budget = SimpleNamespace(thinking_budget_state_holder=None)
+    budget = SimpleNamespace(thinking_budget_state_holder=SimpleNamespace(has_tracked_requests=lambda: True))
+    ours, spec = HeadsDraftModel.__new__(HeadsDraftModel), object()
+
+    def runner(model=ours, hybrid=False, sampling_metadata=no_budget):
+        return SimpleNamespace(drafter=SimpleNamespace(model=model), speculative_config=spec,
+                               model_config=SimpleNamespace(is_hybrid=hybrid),
+                               input_batch=SimpleNamespace(sampling_metadata=sampling_metadata))
+
+    no_drafts = SimpleNamespace(scheduled_spec_decode_tokens={})
+    drafts = SimpleNamespace(scheduled_spec_decode_tokens={"a": [5, 6]})
+    plain = runner()
+    assert prepare_inputs(plain, no_drafts, None) is None and plain.speculative_config is spec
+    with pytest.raises(ValueError, match="preparing failed"):
+        prepare_inputs(plain, no_drafts, "fail")
+    assert plain.speculative_config is spec
+    assert prepare_inputs(runner(), drafts, None) is spec
+    assert prepare_inputs(runner(model=object()), no_drafts, None) is spec  # vLLM's own drafters
+    assert prepare_inputs(runner(hybrid=True), no_drafts, None) is spec
+    assert prepare_inputs(runner(sampling_metadata=budget), no_drafts, None) is spec
 
 
 def test_steps_without_drafts_sample_like_plain_decoding():

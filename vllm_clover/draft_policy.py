@@ -680,6 +680,7 @@ class GoodputPolicy:
         # (table, batch bucket, size bucket): each found measured, or looked at long enough (`_measure_deeper`)
         self._deeper_measured: set[tuple[str, int, int]] = set()
         self._deeper_look_steps: Counter[tuple[str, int, int]] = Counter()  # per key: look steps at its batch
+        self._nothing_deeper: tuple | None = None  # what `_measure_deeper` last found nothing to measure for
         self._last_step_start: float | None = None
         self._steps = 0
         # with heads or not -> (step built, (tokens, rows, sizes known) built for, the cost functions)
@@ -886,14 +887,21 @@ class GoodputPolicy:
         drafting for sizes no plan would run at."""
         if self.looks.now() or not self._decoding_only or self._settled_steps < SETTLED_STEPS:
             return
+        # Sizes only ever become measured (or given up on), so inputs that had nothing to
+        # measure have nothing until the plan, the batch or the step estimate read by
+        # `_priced_from_smaller` changes: a steady batch skips the search every step.
+        inputs = (with_heads, self._step_estimate, self.base_tokens, self._rows, tuple(plan), tuple(budgets))
+        if inputs == self._nothing_deeper:
+            return
         for by in (1, 2) if not any(plan) else (1,):
             lengths = deeper(plan, budgets, by)
             if lengths == plan:
-                return
+                break
             unmeasured = self._unmeasured(lengths, with_heads, or_larger=by > 1)
             if unmeasured:
                 self.looks.start_deeper(unmeasured, by)
                 return
+        self._nothing_deeper = inputs
 
     def _unmeasured(self, lengths: list[int], with_heads: bool, or_larger: bool) -> list[tuple[str, int, int]]:
         """The (table, batch bucket, size bucket) keys drafting `lengths` would measure that

@@ -1,7 +1,7 @@
 """Every change vllm-clover makes to vLLM internals, in one table.
 
-vLLM 0.32 has no proposer registry, so the plugin wraps eight private methods, skips one
-cost of vLLM's spec-decode path that our engines need not pay, and works around four
+vLLM 0.32 has no proposer registry, so the plugin wraps eight private methods, skips two
+costs of vLLM's spec-decode path that our engines need not pay, and works around four
 vLLM bugs. Each change is a no-op for anything that is not ours:
 other methods, models and checkpoints run exactly as without the plugin. All were
 written against vLLM 0.32 (`version.SUPPORTED_VLLM`, checked before any is applied), and
@@ -39,7 +39,9 @@ the last two in a CPU worker that drafts with one of our models, before its firs
       ~6% of a speculative engine core's time, demo base at batch 16). For runners that
       draft with our models, attach the drafts to the step's ModelRunnerOutput; the
       scheduler keeps what arrived, and post_step hands it to update_draft_token_ids as
-      vLLM would, without the RPC. Outputs without our attribute take vLLM's path.
+      vLLM would, without the RPC; a step that drafted nothing attaches NO_DRAFTS and hands
+      nothing (the scheduler emptied each request's drafts when it scheduled it). Outputs
+      without our attribute take vLLM's path.
       The first wrapper also prepares a runner of ours before it first samples: the trust
       flag (trust_clp_drafts) and the CPU fixes (the last two entries), so both touch only
       our engines.
@@ -48,6 +50,17 @@ the last two in a CPU worker that drafts with one of our models, before its firs
       serving "clp-trust", make the target's verification distribution at each draft
       position a point mass on the draft token, so vLLM's own sampler accepts it, and
       samples the bonus token as usual. Lossy by design; opt-in only.
+  plain_inputs_without_drafts  GPUModelRunner._prepare_inputs
+      vLLM 0.32 prepares every step of a speculative engine for verification, also steps in
+      which no request has a draft: per-request draft counts, logits indices and the
+      rejection sampler's metadata (`_calc_spec_decode_metadata`, a few dozen numpy and
+      torch calls), then `_sample` verifies zero drafts. Under load the goodput policy
+      drafts nothing in nearly every step, and the demo base's steps are 3-20 ms. For
+      runners drafting with our models, a step with no scheduled drafts takes the branch an
+      engine without speculation takes (logits at each request's last token, no spec-decode
+      metadata), so it is sampled plainly too. Not for hybrid targets, whose recurrent
+      layers read a zero-draft decode row as a speculative one, nor under a thinking budget
+      (below).
   plain_sampling_without_drafts  GPUModelRunner._sample
       vLLM 0.32 samples every step of a speculative engine through its rejection sampler,
       also steps in which no request has a draft (the first step after a prompt; every
@@ -59,7 +72,8 @@ the last two in a CPU worker that drafts with one of our models, before its firs
       plain sampler, as an engine without speculation would: same logits rows (one per
       request), same processors and penalties (no request carries draft tokens), same
       generators. Steps with drafts, and steps with requests under a thinking budget
-      (whose state counts the rejection sampler's two calls), keep vLLM's path.
+      (whose state counts the rejection sampler's two calls), keep vLLM's path. With
+      plain_inputs_without_drafts, this is left to hybrid targets' steps.
   medusa_token_map          Medusa.load_weights  (vLLM's MedusaModel architecture)
       vLLM's Medusa can score a reduced vocabulary (`truncated_vocab_size` + a `token_map`
       tensor), but 0.32 turns the loaded token map into a parameter without reporting it
@@ -117,6 +131,10 @@ TRUST_DRAFTS_ATTR = "vllm_clover_trust_drafts"
 PREPARED_ATTR = "vllm_clover_prepared"  # on a runner the hook has prepared (`_prepare_runner`)
 # On a ModelRunnerOutput: the step's DraftTokenIds; then on the scheduler until post_step.
 DRAFTS_ATTR = "vllm_clover_draft_token_ids"
+# In DRAFTS_ATTR's place when no request got a draft: the scheduler then has nothing to take
+# (it emptied each scheduled request's drafts when it scheduled them, Scheduler.schedule),
+# and handing it an empty list per request costs a lookup and a validation per request.
+NO_DRAFTS = "no drafts"
 
 
 def _resolve(target: str):
@@ -263,7 +281,7 @@ def _drafts_with_sampled_tokens(original):
             drafts = self.take_draft_token_ids()
             if drafts is not None:
                 output = copy.copy(output)  # never tag an output vLLM shares (e.g. its empty one)
-                setattr(output, DRAFTS_ATTR, drafts)
+                setattr(output, DRAFTS_ATTR, drafts if any(drafts.draft_token_ids) else NO_DRAFTS)
         return output
 
     return sample_tokens
@@ -286,7 +304,8 @@ def _no_draft_rpc(original):
         if drafts is None:
             return original(self, model_executed)
         setattr(self.scheduler, DRAFTS_ATTR, None)
-        self.scheduler.update_draft_token_ids(drafts)
+        if drafts != NO_DRAFTS:
+            self.scheduler.update_draft_token_ids(drafts)
 
     return post_step
 
@@ -307,6 +326,22 @@ def point_mass_on_drafts(logits, draft_rows, draft_token_ids):
     forced[draft_rows] = float("-inf")
     forced[draft_rows, draft_token_ids.long()] = 0.0
     return forced
+
+
+def _plain_inputs_without_drafts(original):
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        if (scheduler_output.scheduled_spec_decode_tokens or _heads_model(self) is None
+                or self.model_config.is_hybrid or _thinking_budget_in_use(self.input_batch.sampling_metadata)):
+            return original(self, scheduler_output, num_scheduled_tokens)
+        # The method takes its branch on `self.speculative_config is not None` and reads it
+        # nowhere else; the runner's attention metadata and draft step, after it, see it.
+        speculative_config, self.speculative_config = self.speculative_config, None
+        try:
+            return original(self, scheduler_output, num_scheduled_tokens)
+        finally:
+            self.speculative_config = speculative_config
+
+    return _prepare_inputs
 
 
 def _plain_sampling_without_drafts(original):
@@ -384,6 +419,8 @@ PATCHES = (
     Patch("no_draft_rpc", "vllm.v1.engine.core:EngineCore.post_step", ("self", "model_executed"), _no_draft_rpc),
     Patch("trust_clp_drafts", "vllm.v1.sample.rejection_sampler:RejectionSampler.forward",
           ("self", "metadata", "draft_probs", "logits", "sampling_metadata"), _trust_clp_drafts),
+    Patch("plain_inputs_without_drafts", "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",
+          ("self", "scheduler_output", "num_scheduled_tokens"), _plain_inputs_without_drafts),
     Patch("plain_sampling_without_drafts", "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
           ("self", "logits", "spec_decode_metadata"), _plain_sampling_without_drafts),
     Patch("medusa_token_map", "vllm.model_executor.models.medusa:Medusa.load_weights",
@@ -407,7 +444,8 @@ RUNNER_READS = (
     (RUNNER, "_get_positions"), (RUNNER, "attn_groups"), (RUNNER, "rejection_sampler"), (RUNNER, "drafter"),
     (RUNNER, "get_model"), (RUNNER, "vllm_config"), (RUNNER, "_draft_probs"), (RUNNER, "_draft_prob_req_ids"),
     (RUNNER, "max_num_tokens"), (RUNNER, "max_model_len"), (RUNNER, "input_batch"), (RUNNER, "take_draft_token_ids"),
-    (RUNNER, "discard_request_mask"), ("vllm.v1.worker.gpu_input_batch:InputBatch", "req_ids"),
+    (RUNNER, "discard_request_mask"), (RUNNER, "speculative_config"), (RUNNER, "model_config"),
+    ("vllm.config.model:ModelConfig", "is_hybrid"), ("vllm.v1.worker.gpu_input_batch:InputBatch", "req_ids"),
     ("vllm.v1.worker.gpu_input_batch:InputBatch", "generators"),
     ("vllm.v1.worker.gpu_input_batch:InputBatch", "num_reqs"), ("vllm.v1.engine.core:EngineCore", "scheduler"),
     ("vllm.v1.core.sched.scheduler:Scheduler", "update_draft_token_ids"),
@@ -415,12 +453,14 @@ RUNNER_READS = (
     ("vllm.v1.worker.utils:AttentionGroup", "layer_names"), ("vllm.v1.worker.utils:AttentionGroup", "build_metadata"),
     ("vllm.v1.attention.backend:CommonAttentionMetadata", "query_start_loc_cpu"),
     ("vllm.v1.attention.backend:CommonAttentionMetadata", "num_actual_tokens"),
+    ("vllm.v1.attention.backend:CommonAttentionMetadata", "max_seq_len"),
     ("vllm.v1.spec_decode.metadata:SpecDecodeMetadata", "num_draft_tokens"),
     ("vllm.v1.spec_decode.metadata:SpecDecodeMetadata", "target_logits_indices"),
     ("vllm.v1.spec_decode.metadata:SpecDecodeMetadata", "draft_token_ids"),
     ("vllm.v1.spec_decode.metadata:SpecDecodeMetadata", "max_spec_len"),
     ("vllm.v1.sample.metadata:SamplingMetadata", "thinking_budget_state_holder"),
     ("vllm.v1.core.sched.output:SchedulerOutput", "num_spec_tokens_to_schedule"),
+    ("vllm.v1.core.sched.output:SchedulerOutput", "scheduled_spec_decode_tokens"),
     ("vllm.v1.spec_decode.medusa:MedusaProposer", "model"),
 )
 

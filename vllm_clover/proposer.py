@@ -62,6 +62,7 @@ def propose(runner: GPUModelRunner, model: HeadsDraftModel, scheduler_output: Sc
         positions=runner._get_positions(num_tokens),
         budget=scheduler_output.num_spec_tokens_to_schedule,
         max_model_len=runner.max_model_len,
+        longest_sequence=common_attn_metadata.max_seq_len,
     )
     attending = partial(draft_attention, runner, model.kv_layer_names, common_attn_metadata, slot_mappings)
     drafts = model.propose(batch, attending, kv_slots(model.kv_layer_names, slot_mappings))

@@ -223,6 +223,10 @@ class HeadsDraftModel(nn.Module):
         self.kv_layer_names: tuple[str, ...] = (
             (self.augment.layer.self_attn.attn.layer_name,) if self.with_augmenting_block else ())
         self.deferred_kv = DeferredKvWrites()
+        # Whether a step that drafts nothing may put its augmenting-block KV off: there is a
+        # block, and its attention backend writes KV apart from attending.
+        self.defers_kv_writes = self.with_augmenting_block and \
+            not self.augment.layer.self_attn.attn.attn_backend.forward_includes_kv_cache_update
         self.vllm_config = vllm_config
         self._target: list[nn.Module] = []  # a list, so the target is not a submodule of ours
         self.target_dtype = vllm_config.model_config.dtype
@@ -299,7 +303,7 @@ class HeadsDraftModel(nn.Module):
         only puts its KV writes off (`DeferredKvWrites`)."""
         depth = self.heads.draft_depth(batch.budgets, self.policy) if batch.budgets else 0
         attention = None
-        if depth == 0 and self.defers_kv_writes():
+        if depth == 0 and self.defers_kv_writes:
             self.defer_augmenting_kv(batch.hidden_states, batch.positions, kv_slots)
         else:
             self.write_deferred_kv()
@@ -318,12 +322,6 @@ class HeadsDraftModel(nn.Module):
                 self.policy.heads_timed(time.perf_counter() - start)
         self.stats.record([len(d) for d in drafts], "rule" if self.policy is None else self.policy.decided_by)
         return drafts
-
-    def defers_kv_writes(self) -> bool:
-        """Whether a step that drafts nothing may put its augmenting-block KV off: there is a
-        block, and its attention backend writes KV apart from attending."""
-        return self.with_augmenting_block and \
-            not self.augment.layer.self_attn.attn.attn_backend.forward_includes_kv_cache_update
 
     def defer_augmenting_kv(self, hidden_states: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         self.deferred_kv.add(hidden_states, positions, slots)
