@@ -7,8 +7,9 @@
    met it within a minute. Patch cpu_seeded_prefill_chunks.
 2. top_k without top_p in a step where no request has drafts (the first step after a
    prompt, or the goodput policy drafting nothing): vLLM still runs its rejection sampler,
-   over zero draft positions, and on CPU `k.max()` of an empty tensor raises. Patch
-   plain_sampling_without_drafts samples such steps as plain decoding does; patch
+   over zero draft positions, and on CPU `k.max()` of an empty tensor raises. Patches
+   plain_inputs_without_drafts and plain_sampling_without_drafts prepare and sample such
+   steps as plain decoding does; patch
    cpu_top_k_without_drafts covers those still verified (a request under a thinking budget,
    tests/test_spec_config.py).
 """
