@@ -362,17 +362,16 @@ def run_interleaved(args, prompts: list, categories: list[str] | None, progress)
     the other, minutes apart, see different machines; within a round they see the same one,
     and the per-round ratios to vanilla (compare_with_vanilla) carry the drift's spread.
 
-    With `args.fresh_engines` every round loads all the engines anew (in the round's order)
-    and shuts them down after it: two identical engines can differ in speed by ~10% for
-    their whole life, a bias in every round of engines loaded once, which fresh engines turn
-    into spread between rounds."""
+    With `args.fresh_engines` all the engines are loaded anew (in the first round's order)
+    for every `args.rounds_per_load` rounds and shut down after them: two identical engines
+    can differ in speed by ~10% for their whole life, a bias in every round of engines loaded
+    once, which fresh engines turn into spread between rounds."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
     rounds: dict[str, dict[str, list]] = {method: {} for method in args.methods}
     failed: dict[str, str] = {}
-    for lifetime in range(args.rounds) if args.fresh_engines else [None]:
-        lived = list(range(args.rounds)) if lifetime is None else [lifetime]
+    for lived in engine_lifetimes(args.rounds, args.rounds_per_load if args.fresh_engines else args.rounds):
         load_order = rotated([m for m in args.methods if m not in failed], lived[0])
         engines = start_engines(load_order, args, prompts, failed, progress)
         try:
@@ -395,6 +394,16 @@ def run_interleaved(args, prompts: list, categories: list[str] | None, progress)
     results = {method: {batch: summarize(measured) for batch, measured in by_batch.items()}
                for method, by_batch in rounds.items() if method not in failed and by_batch}
     return results, failed
+
+
+def engine_lifetimes(rounds: int, rounds_per_load: int) -> list[list[int]]:
+    """The rounds each loading of the engines measures, in order.
+
+    Several rounds a load, because loading is most of a sweep's time (the demo base: ~6
+    minutes a load of six engines, warm-up included, against ~1.5 a round of four batch
+    sizes), and one round a load left three paired samples a batch size where the machine's
+    speed moved up to 1.8x between rounds (README, the runs at 90107f8)."""
+    return [list(range(first, min(first + rounds_per_load, rounds))) for first in range(0, rounds, rounds_per_load)]
 
 
 def rotated(methods: list[str], r: int) -> list[str]:
@@ -651,6 +660,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--fresh-engines", action="store_true",
                         help="load every engine anew for each round (an engine's lifelong speed becomes "
                              "spread between rounds instead of a bias)")
+    parser.add_argument("--rounds-per-load", type=int, default=1,
+                        help="with --fresh-engines, the rounds each loading of the engines measures")
     parser.add_argument("--profile", action="store_true",
                         help="also time the parts of an engine step (target forward, sampling, our draft step's parts)")
     parser.add_argument("--never-draft", action="store_true",
@@ -662,8 +673,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = sorted(set(args.methods) - set(BENCHMARK_METHODS))
     if unknown:
         parser.error(f"unknown methods {unknown}; choose from {', '.join(BENCHMARK_METHODS)}")
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.rounds < 1 or args.rounds_per_load < 1:
+        parser.error(f"--rounds and --rounds-per-load must be at least 1, got {args.rounds} and {args.rounds_per_load}")
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.num_prompts = [int(n) for n in args.num_prompts.split(",")]
     if len(args.num_prompts) == 1:

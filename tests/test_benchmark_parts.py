@@ -236,6 +236,14 @@ def test_a_failing_method_is_reported_and_the_run_completes(tmp_path, monkeypatc
     assert json.loads(out.read_text())["failed"] == result["failed"]
 
 
+def test_fresh_engines_measure_their_rounds_per_load_and_every_round_runs_once():
+    from benchmarks.run import engine_lifetimes
+
+    assert engine_lifetimes(7, 3) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert engine_lifetimes(2, 1) == [[0], [1]]
+    assert engine_lifetimes(3, 3) == [[0, 1, 2]]
+
+
 def test_fresh_engines_are_loaded_for_every_round_in_a_rotated_order(tmp_path, monkeypatch):
     """--fresh-engines: each round starts every engine anew (the first round's first engine
     is the second round's last) and measures it at every batch size; results look as usual.

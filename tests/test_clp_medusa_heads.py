@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from vllm_clover.clp import ClpHeads, collocation_lengths, lengths_at_threshold
+from vllm_clover.clp import ClpHeads, collocation_lengths, conditional_lengths, lengths_at_threshold
 from vllm_clover.layers import head_labels
 from vllm_clover.medusa import MedusaHeads
 
@@ -51,6 +52,15 @@ def test_tau_rule_takes_longest_length_with_enough_probability():
     assert lengths_at_threshold(probs, 0.3).tolist() == [3, 1]
     assert lengths_at_threshold(probs, 1.0).tolist() == [0, 0]
     assert lengths_at_threshold(probs, 0.0).tolist() == [3, 3]
+
+
+def test_conditional_lengths_are_ratios_of_tail_probabilities():
+    """What the goodput policy reads as CLP's confidence: P(L* >= j | L* >= j-1), from logits
+    in any scale; a length far beyond reach gives 0, not NaN."""
+    probs = np.array([[0.1, 0.2, 0.3, 0.4], [0.7, 0.1, 0.1, 0.1]])  # P(L*>=l) = 1, .9, .7, .4 / 1, .3, .2, .1
+    expected = [[0.9, 0.7 / 0.9, 0.4 / 0.7], [0.3, 0.2 / 0.3, 0.1 / 0.2]]
+    np.testing.assert_allclose(conditional_lengths(np.log(probs) + 50.0), expected, rtol=1e-6)
+    assert conditional_lengths(np.array([[0.0, 0.0, -1e4, -1e4]])).tolist() == [[0.5, 0.0, 0.0]]
 
 
 def test_medusa_state_dict_uses_vllm_names():

@@ -27,6 +27,7 @@ from vllm_clover.draft_policy import (
     GoodputPolicy,
     Looks,
     SharedDecisions,
+    WholeSizes,
     bucket,
     calibration_counts,
     check_policy,
@@ -49,6 +50,15 @@ def roofline(memory_bound_tokens: int = 8, seconds: float = 0.010):
 def test_drafts_everything_when_the_target_is_memory_bound():
     rates = np.full((1, K), 0.7)
     assert plan_lengths(rates, [K], base_tokens=1, step_time=roofline()) == [K]
+
+
+def test_whole_sizes_read_their_cost_function_and_extend_past_what_was_asked():
+    calls = []
+    cost = WholeSizes(lambda n: calls.append(len(n)) or roofline()(n))
+    np.testing.assert_array_equal(cost(np.array([9, 3, 12])), roofline()(np.array([9, 3, 12])))
+    np.testing.assert_array_equal(cost(np.arange(20)), roofline()(np.arange(20)))  # read from the table
+    assert calls == [25]
+    assert cost(np.array([40]))[0] == roofline()(40) and calls == [25, 81]
 
 
 def test_stops_drafting_when_every_draft_costs_a_full_token_of_compute():
@@ -315,6 +325,21 @@ def test_a_looks_samples_move_with_the_planned_steps_of_their_moment():
     for _ in range(16):
         cost.observe(8, 0.013)             # planned there since: its own seconds, the look's gone
     assert cost.predict(np.array([8]))[0] == pytest.approx(0.013)
+
+
+def test_a_rare_sizes_samples_move_with_the_usual_steps_of_their_moment():
+    """A plan that mostly drafts nothing measures its drafting sizes in few steps, each
+    standing for thousands: read at the speed of their moment beside no-draft steps
+    measured at another, drafting looked cheap in a slow spell (CLP, demo base, batch 4)."""
+    cost = CostModel()
+    for _ in range(16):
+        cost.observe(4, 0.004)   # steps without drafts, in a fast spell
+    for _ in range(3):
+        cost.observe(8, 0.006)   # the plan's rare drafting steps: 50% dearer
+        cost.observe(20, 0.007)
+    for _ in range(16):
+        cost.observe(4, 0.006)   # a slow spell since
+    assert cost.predict(np.array([4, 8, 20])).tolist() == pytest.approx([0.006, 0.009, 0.0105])
 
 
 def test_an_unmeasured_batch_size_is_read_per_request_from_its_nearest_neighbour():

@@ -257,14 +257,18 @@ class CostModel:
     falling as n grows (`non_decreasing`: noise between buckets must not make drafts look
     cheaper than none).
 
-    A look's samples (`Looks`) are priced relative to the planned steps of their moment:
-    a look runs EXPLORE_STEPS steps and then stands for up to EXPLORE_AFTER_MAX steps,
-    while the planned bucket is re-measured every step, and the machine's own speed drifts
-    ~15% within seconds (README). A look taken in a slow spell made the steps it measured
-    look dear for thousands of steps (demo base, batch 1: a 5-token step 21.4 ms against
-    16.6 ms at 4 tokens, where steps of 5 and 3 tokens alternated in blocks took 14.7 and
-    13.7 ms). So each look sample keeps the planned bucket's median of its moment, and
-    reads back scaled by that bucket's median now.
+    A sample of any size but the usual one (the bucket most of the latest planned steps
+    ran) is priced relative to the usual steps of its moment: the usual bucket is re-measured
+    every step, a rare size's samples stand for thousands of steps, and the machine's own
+    speed drifts ~15% within seconds and up to 1.8x between minutes (README). A look taken in
+    a slow spell made the steps it measured look dear for thousands of steps (demo base,
+    batch 1: a 5-token step 21.4 ms against 16.6 ms at 4 tokens, where steps of 5 and 3
+    tokens alternated in blocks took 14.7 and 13.7 ms); the rare drafting steps of a plan
+    that mostly drafts nothing, taken at a faster spell, made drafting look cheap beside a
+    slow spell's steps without drafts (CLP on the demo base at batch 4: its no-draft steps
+    rose from ~4.0 to 6-7 ms while 8- and 20-token steps stood at 7-8). So each such sample
+    keeps the usual bucket's median of its moment, and reads back scaled by that bucket's
+    median now.
 
     Outside what it has measured it guesses optimistically, so the policy tries the
     unmeasured side once and then knows it: below the smallest bucket in proportion to n
@@ -277,20 +281,21 @@ class CostModel:
     over none, so a second drafting size is measured (`GoodputPolicy._measure_deeper`)."""
 
     def __init__(self):
-        # bucket -> its latest (n, seconds, reference): the reference is None for a planned
-        # step's sample, for a look's (the planned bucket, its median seconds then)
+        # bucket -> its latest (n, seconds, reference): the reference is None for a sample
+        # of the usual bucket, for any other (the usual bucket, its median seconds then)
         self.samples: dict[int, deque[tuple[float, float, tuple[int, float] | None]]] = {}
-        self._planned: int | None = None  # the bucket of the latest planned sample
+        self._planned: deque[int] = deque(maxlen=SAMPLES_PER_BUCKET)  # the latest planned samples' buckets
         self._table: tuple[np.ndarray, np.ndarray] | None = None   # (n, seconds) per bucket, sorted
 
     def observe(self, n: int, seconds: float, look: bool = False) -> None:
         b = bucket(n)
-        reference = None
         if not look:
-            self._planned = b
-        elif self._planned is not None and self._planned != b and self._estimated(self._planned):
-            planned_then = self._recorded_median(self._planned)
-            reference = (self._planned, planned_then) if planned_then > 0 else None
+            self._planned.append(b)
+        reference = None
+        usual = Counter(reversed(self._planned)).most_common(1)[0][0] if self._planned else None  # ties: the latest
+        if usual is not None and usual != b and self._estimated(usual):
+            usual_then = self._recorded_median(usual)
+            reference = (usual, usual_then) if usual_then > 0 else None
         self.samples.setdefault(b, deque(maxlen=SAMPLES_PER_BUCKET)).append((n, seconds, reference))
         self._table = None
 
@@ -298,11 +303,11 @@ class CostModel:
         return len(self.samples.get(b, ())) >= MIN_SAMPLES
 
     def _recorded_median(self, b: int) -> float:
-        """Bucket b's median seconds as its samples were recorded (what a look is priced against)."""
+        """Bucket b's median seconds as its samples were recorded (what other sizes are priced against)."""
         return statistics.median(seconds for _, seconds, _ in self.samples[b])
 
     def _seconds_now(self, b: int) -> list[float]:
-        """Bucket b's samples' seconds, its look samples scaled as their planned bucket moved since."""
+        """Bucket b's samples' seconds, each scaled as the usual bucket of its moment moved since."""
         samples = self.samples[b]
         planned_now = {b: self._recorded_median(b) for b in {ref[0] for _, _, ref in samples if ref is not None}}
         return [seconds if ref is None else seconds * planned_now[ref[0]] / ref[1] for _, seconds, ref in samples]
@@ -966,8 +971,9 @@ class GoodputPolicy:
         table, b = step.nearest
         # A plan compares two of the table's medians, each known to its relative error.
         margin = MARGIN_STANDARD_ERRORS * math.sqrt(2) * table.models[b].relative_error()
-        heads_time = None if heads is None else (lambda positions: np.where(positions > 0, heads(positions), 0.0))
-        return step, heads_time, margin
+        heads_time = None if heads is None else \
+            WholeSizes(lambda positions: np.where(positions > 0, heads(positions), 0.0))
+        return WholeSizes(step), heads_time, margin
 
     def summary(self) -> dict:
         """The policy's models, for the benchmark JSON: the step-time and heads-time tables
@@ -991,6 +997,23 @@ class GoodputPolicy:
             },
             "look_interval_steps": self.looks.interval,
         }
+
+
+class WholeSizes:
+    """A cost function read at whole sizes (tokens, positions) from a table of its values at
+    0..n, extended when a larger size is asked: the plans of one step and of the next
+    COSTS_REFRESH_STEPS read the same cost functions at the same sizes, and evaluating them
+    (interpolations through two tables) was ~40% of a plan, which CLP runs in most steps
+    at batch 64."""
+
+    def __init__(self, cost: Callable[[np.ndarray], np.ndarray]):
+        self.cost, self.seconds = cost, np.zeros(0)
+
+    def __call__(self, sizes: np.ndarray) -> np.ndarray:
+        sizes = np.asarray(sizes)
+        if sizes.size and sizes.max() >= len(self.seconds):
+            self.seconds = self.cost(np.arange(2 * int(sizes.max()) + 1))
+        return self.seconds[sizes]
 
 
 class SharedDecisions:
