@@ -235,6 +235,7 @@ def drafting_since(before: dict | None, after: dict | None) -> dict | None:
             "draft_tokens_per_request_step_by_source": {k: n / rows for k, n in grown["drafted_by"].items()},
             "requests_drafting_at_least": [n / rows for n in grown["per_position"]],
             "steps_without_drafts_fraction": grown["steps_without_drafts"] / max(grown["steps"], 1),
+            "steps_slept_fraction": grown.get("steps_slept", 0) / max(grown["steps"], 1),
             "stats": grown, "policy": after["policy"]}
 
 

@@ -17,9 +17,11 @@ from vllm_clover.draft_policy import (
     CALIBRATION_MIN_DRAFTS,
     EXPLORE_AFTER,
     EXPLORE_STEPS,
+    QUIET_STEPS,
     RECENT_ROWS,
     SAMPLES_PER_BUCKET,
     SETTLED_STEPS,
+    WAKE_EVERY,
     AcceptanceModel,
     CostModel,
     CostsByBatch,
@@ -552,6 +554,29 @@ def test_policy_drafts_at_low_load_and_stops_at_high_load():
     assert low[0] == [K] and high[0] == [K] * 64  # nothing measured yet: the full budget
     assert all(sum(s) > 0 for s in low[-10:])
     assert all(sum(s) == 0 for s in high[-10:])  # the heads do not even run
+
+
+def test_a_policy_whose_plans_draft_nothing_sleeps_through_most_steps_and_wakes_at_any_change():
+    """Where nothing pays, the policy skips all but two of every WAKE_EVERY draft steps (the
+    second of them timing a step for the table), and wakes for a step with a prefill chunk
+    or drafts, or another batch size; under tensor parallelism it never sleeps."""
+    c, step_time = Clock(), roofline(memory_bound_tokens=8, seconds=0.010)
+    policy = GoodputPolicy(K, clock=c)
+    run_steps(policy, c, 64, step_time, steps=30 + QUIET_STEPS)
+    slept, faster = [], 0.05  # the machine speeds up while the policy sleeps
+    for _ in range(3 * WAKE_EVERY):
+        slept.append(policy.asleep(64, 64))
+        if slept[-1]:
+            c.now += faster
+        else:
+            assert run_steps(policy, c, 64, lambda n: faster, steps=1) == [[0] * 64]
+    assert slept == ([True] * (WAKE_EVERY - 2) + [False] * 2) * 3
+    # One step timed per wake, each one step's seconds (not the skipped steps' too)
+    timed = [seconds for _, seconds, _ in policy.step_costs.models[bucket(64)].samples[bucket(64)]]
+    assert timed[-4:] == pytest.approx([float(step_time(64)), faster, faster, faster])
+    assert not policy.asleep(64, 80)                 # a prefill chunk, or drafts verified
+    assert not policy.asleep(32, 32)                 # another batch size
+    assert not SharedDecisions(policy, lambda decision: decision).asleep(64, 64)
 
 
 def test_the_summary_shows_each_confidence_bins_served_counts_beside_its_planned_rate():

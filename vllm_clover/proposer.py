@@ -52,7 +52,14 @@ def propose(runner: GPUModelRunner, model: HeadsDraftModel, scheduler_output: Sc
     num_tokens = common_attn_metadata.num_actual_tokens
     num_draft_tokens = spec_decode_metadata.num_draft_tokens if spec_decode_metadata is not None else None
     req_ids = runner.input_batch.req_ids
+    attending = partial(draft_attention, runner, model.kv_layer_names, common_attn_metadata, slot_mappings)
     if model.policy is not None:
+        if model.policy.asleep(len(sampled_token_ids), num_tokens):
+            model.keep_step_kv(hidden_states[:num_tokens], runner._get_positions(num_tokens), attending,
+                               kv_slots(model.kv_layer_names, slot_mappings), attend=False)
+            model.stats.record_skipped(len(sampled_token_ids))
+            log_drafting(model)
+            return [[] for _ in sampled_token_ids]
         report_step(model.policy, req_ids, sampled_token_ids, num_draft_tokens, num_tokens)
     batch, rows = draft_batch(
         sampled_token_ids,
@@ -64,7 +71,6 @@ def propose(runner: GPUModelRunner, model: HeadsDraftModel, scheduler_output: Sc
         max_model_len=runner.max_model_len,
         longest_sequence=common_attn_metadata.max_seq_len,
     )
-    attending = partial(draft_attention, runner, model.kv_layer_names, common_attn_metadata, slot_mappings)
     drafts = model.propose(batch, attending, kv_slots(model.kv_layer_names, slot_mappings))
     if model.policy is not None:
         model.policy.end_step([req_ids[row] for row in rows])

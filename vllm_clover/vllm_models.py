@@ -302,13 +302,7 @@ class HeadsDraftModel(nn.Module):
         augmenting block attends at this step's slots, `kv_slots`; a step that drafts nothing
         only puts its KV writes off (`DeferredKvWrites`)."""
         depth = self.heads.draft_depth(batch.budgets, self.policy) if batch.budgets else 0
-        attention = None
-        if depth == 0 and self.defers_kv_writes:
-            self.defer_augmenting_kv(batch.hidden_states, batch.positions, kv_slots)
-        else:
-            self.write_deferred_kv()
-            with attending():
-                attention = self.write_augmenting_kv(batch.hidden_states, batch.positions, attend=depth > 0)
+        attention = self.keep_step_kv(batch.hidden_states, batch.positions, attending, kv_slots, attend=depth > 0)
         if not batch.budgets:
             return []
         if depth == 0:
@@ -322,6 +316,21 @@ class HeadsDraftModel(nn.Module):
                 self.policy.heads_timed(time.perf_counter() - start)
         self.stats.record([len(d) for d in drafts], "rule" if self.policy is None else self.policy.decided_by)
         return drafts
+
+    def keep_step_kv(self, hidden_states: torch.Tensor, positions: torch.Tensor,
+                     attending: Callable[[], AbstractContextManager], kv_slots: torch.Tensor | None,
+                     attend: bool) -> torch.Tensor | None:
+        """The step's augmenting-block KV, put off where nothing attends this step and the
+        backend allows it, else written (with the attention outputs if `attend`, for
+        `start_states`); nothing without a block."""
+        if not self.with_augmenting_block:
+            return None
+        if not attend and self.defers_kv_writes:
+            self.defer_augmenting_kv(hidden_states, positions, kv_slots)
+            return None
+        self.write_deferred_kv()
+        with attending():
+            return self.write_augmenting_kv(hidden_states, positions, attend=attend)
 
     def defer_augmenting_kv(self, hidden_states: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         self.deferred_kv.add(hidden_states, positions, slots)
