@@ -110,15 +110,19 @@ def drafting_tables(results: dict) -> list[str]:
         return []
     by_source = any("draft_tokens_per_request_step_by_source" in r.get("drafting", {})
                     for m in ours for r in results[m].values())
+    slept = any("steps_slept_fraction" in r.get("drafting", {}) for m in ours for r in results[m].values())
     return ["**Draft tokens per request and step** (what our heads proposed; the goodput policy chooses per "
             "request and step; `-fixed`: Clover drafts K, CLP follows its threshold) and, in brackets, "
-            "**steps that drafted nothing**" + (" and the goodput policy's **tokens drafted in looks** past its plan"
-                                                if by_source else "") + ":",
+            "**steps that drafted nothing**" + (", of all steps those the goodput policy **slept** through"
+                                                if slept else "")
+            + (" and the goodput policy's **tokens drafted in looks** past its plan" if by_source else "") + ":",
             grid(results, lambda r, b: drafting_cell(r["drafting"]) if "drafting" in r else "–", ours)]
 
 
 def drafting_cell(drafting: dict) -> str:
     brackets = [f"{100 * drafting['steps_without_drafts_fraction']:.0f}%"]
+    if drafting.get("steps_slept_fraction"):
+        brackets.append(f"slept {100 * drafting['steps_slept_fraction']:.0f}%")
     sources = drafting.get("draft_tokens_per_request_step_by_source")
     if sources and drafting.get("policy") is not None:
         brackets.append(f"looks {sources['look'] + sources['deeper_look']:.2f}")
