@@ -113,7 +113,7 @@ def drafting_tables(results: dict) -> list[str]:
     slept = any("steps_slept_fraction" in r.get("drafting", {}) for m in ours for r in results[m].values())
     return ["**Draft tokens per request and step** (what our heads proposed; the goodput policy chooses per "
             "request and step; `-fixed`: Clover drafts K, CLP follows its threshold) and, in brackets, "
-            "**steps that drafted nothing**" + (", of all steps those the goodput policy **slept** through"
+            "**steps that drafted nothing**" + (", the steps the goodput policy **slept** through"
                                                 if slept else "")
             + (" and the goodput policy's **tokens drafted in looks** past its plan" if by_source else "") + ":",
             grid(results, lambda r, b: drafting_cell(r["drafting"]) if "drafting" in r else "–", ours)]
