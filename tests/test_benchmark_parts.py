@@ -169,8 +169,8 @@ def test_step_breakdown_splits_the_draft_step():
 
 def test_a_drafting_cell_shows_the_steps_the_policy_slept_through():
     drafting = {"draft_tokens_per_request_step": 0.05, "steps_without_drafts_fraction": 0.9,
-                "steps_slept_fraction": 0.6, "policy": {},
-                "draft_tokens_per_request_step_by_source": {"rule": 0.0, "plan": 0.04, "look": 0.01, "deeper_look": 0.0}}
+                "steps_slept_fraction": 0.6, "policy": {}, "draft_tokens_per_request_step_by_source":
+                    {"rule": 0.0, "plan": 0.04, "look": 0.01, "deeper_look": 0.0}}
     assert report.drafting_cell(drafting) == "0.05 (90%, slept 60%, looks 0.01)"
     assert report.drafting_cell({**drafting, "steps_slept_fraction": 0.0}) == "0.05 (90%, looks 0.01)"
 
