@@ -314,8 +314,8 @@ class CostModel:
     def _seconds_now(self, b: int) -> list[float]:
         """Bucket b's samples' seconds, each scaled as the usual bucket of its moment moved since."""
         samples = self.samples[b]
-        planned_now = {b: self._recorded_median(b) for b in {ref[0] for _, _, ref in samples if ref is not None}}
-        return [seconds if ref is None else seconds * planned_now[ref[0]] / ref[1] for _, seconds, ref in samples]
+        usual_now = {u: self._recorded_median(u) for u in {ref[0] for _, _, ref in samples if ref is not None}}
+        return [seconds if ref is None else seconds * usual_now[ref[0]] / ref[1] for _, seconds, ref in samples]
 
     def _median_now(self, b: int) -> float:
         return statistics.median(self._seconds_now(b))
