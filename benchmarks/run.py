@@ -342,12 +342,22 @@ def draft_nothing(worker) -> None:
     """Runs in the worker (`--never-draft`): our draft model's goodput policy decides no drafts
     at every step, without planning, so the engine pays what speculation costs a step that
     drafts nothing (vLLM's speculative path, our draft step's bookkeeping, Clover's deferred
-    KV writes, CLP's length predictor): the floor under the policy's "none". Engines with
-    the fixed rule, or not ours, are left as they are."""
+    KV writes, CLP's length predictor): the floor under the policy's "none". Each "none"
+    counts as a plan's, so the policy sleeps as it would where nothing pays
+    (`GoodputPolicy.asleep`). Engines with the fixed rule, or not ours, are left as they are."""
     policy = getattr(getattr(getattr(worker.model_runner, "drafter", None), "model", None), "policy", None)
-    if policy is not None:
-        policy.heads_to_run = lambda budgets: 0
-        policy.lengths = lambda confidence, budgets, heads_to_run=False: [0] * len(budgets)
+    if policy is None:
+        return
+
+    def no_heads(budgets: list[int]) -> int:
+        policy._looked = False
+        return 0
+
+    def no_drafts(confidence, budgets: list[int], heads_to_run: bool = False) -> list[int]:
+        policy._looked = False
+        return [0] * len(budgets)
+
+    policy.heads_to_run, policy.lengths = no_heads, no_drafts
 
 
 def shutdown(llm) -> None:

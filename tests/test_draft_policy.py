@@ -558,14 +558,14 @@ def test_policy_drafts_at_low_load_and_stops_at_high_load():
 
 def test_a_policy_whose_plans_draft_nothing_sleeps_through_most_steps_and_wakes_at_any_change():
     """Where nothing pays, the policy skips all but two of every WAKE_EVERY draft steps (the
-    second of them timing a step for the table), and wakes for a step with a prefill chunk
-    or drafts, or another batch size; under tensor parallelism it never sleeps."""
+    second of them timing a step for the table), and wakes for another batch size; under
+    tensor parallelism it never sleeps."""
     c, step_time = Clock(), roofline(memory_bound_tokens=8, seconds=0.010)
     policy = GoodputPolicy(K, clock=c)
     run_steps(policy, c, 64, step_time, steps=30 + QUIET_STEPS)
     slept, faster = [], 0.05  # the machine speeds up while the policy sleeps
     for _ in range(3 * WAKE_EVERY):
-        slept.append(policy.asleep(64, 64))
+        slept.append(policy.asleep(64))
         if slept[-1]:
             c.now += faster
         else:
@@ -574,9 +574,29 @@ def test_a_policy_whose_plans_draft_nothing_sleeps_through_most_steps_and_wakes_
     # One step timed per wake, each one step's seconds (not the skipped steps' too)
     timed = [seconds for _, seconds, _ in policy.step_costs.models[bucket(64)].samples[bucket(64)]]
     assert timed[-4:] == pytest.approx([float(step_time(64)), faster, faster, faster])
-    assert not policy.asleep(64, 80)                 # a prefill chunk, or drafts verified
-    assert not policy.asleep(32, 32)                 # another batch size
-    assert not SharedDecisions(policy, lambda decision: decision).asleep(64, 64)
+    assert not policy.asleep(32)                     # another batch size
+    assert not SharedDecisions(policy, lambda decision: decision).asleep(64)
+
+
+def test_steps_with_prefill_chunks_neither_count_towards_sleep_nor_wake_the_policy():
+    """Under arrivals nearly every step carries a prefill chunk: awake, such a step is planned
+    as any other but leaves the count of quiet decode-only steps as it is, and asleep, it is
+    skipped as any other (a new wave of the same size starts asleep)."""
+    c, step_time = Clock(), roofline(memory_bound_tokens=8, seconds=0.010)
+    policy = GoodputPolicy(K, clock=c)
+    ids = [f"r{i}" for i in range(64)]
+    run_steps(policy, c, 64, step_time, steps=30)
+
+    def prefill_step():
+        c.now += float(step_time(64 + 200))
+        policy.observe_step(64 + 200, ids, {}, dict.fromkeys(ids[:-1], 0))  # the last row still prefilling
+        assert policy.heads_to_run([K] * 63) == 0
+        policy.end_step(ids[:-1])
+
+    quiet = policy._quiet_steps
+    prefill_step()
+    assert policy._quiet_steps == quiet >= QUIET_STEPS  # neither counted nor broke the count
+    assert [policy.asleep(64) for _ in range(WAKE_EVERY - 2)] == [True] * (WAKE_EVERY - 2)
 
 
 def test_the_summary_shows_each_confidence_bins_served_counts_beside_its_planned_rate():

@@ -92,9 +92,9 @@ COSTS_REFRESH_STEPS = 16
 # of two of the table's medians (`plan_lengths`'s margin, `GoodputPolicy._build_costs`).
 MARGIN_STANDARD_ERRORS = 1.0
 # A policy whose plans ran no heads and drafted nothing for QUIET_STEPS decode-only steps in a
-# row sleeps while the batch keeps its size and runs decodes alone: of every WAKE_EVERY draft
-# steps it skips all but the last two (`GoodputPolicy.asleep`).
-QUIET_STEPS = 32
+# row sleeps while the batch keeps its size: of every WAKE_EVERY draft steps it skips all but
+# the last two (`GoodputPolicy.asleep`).
+QUIET_STEPS = 16
 WAKE_EVERY = 8
 MAD_TO_SIGMA = 1.4826               # a normal spread's sigma per median absolute deviation
 MEDIAN_SE_FACTOR = math.sqrt(math.pi / 2)  # a median's standard error per sigma / sqrt(n)
@@ -763,9 +763,10 @@ class GoodputPolicy:
 
     def _note_batch_bucket(self, batch_bucket: int, decode_only: bool) -> None:
         """Count the decode-only steps the batch size has held (steps carrying a prefill chunk
-        neither count nor break the count: under arrivals they come between decodes)."""
+        neither count nor break the count: under arrivals they come between decodes); a new
+        size is planned for QUIET_STEPS steps before the policy sleeps there (`asleep`)."""
         if batch_bucket != self._batch_bucket:
-            self._batch_bucket, self._settled_steps = batch_bucket, 0
+            self._batch_bucket, self._settled_steps, self._quiet_steps = batch_bucket, 0, 0
         self._settled_steps += decode_only
 
     @property
@@ -790,10 +791,20 @@ class GoodputPolicy:
     def end_step(self, req_ids: list[str]) -> None:
         """The request id of each row that `lengths` was given, in the same order."""
         self._pending = (req_ids, self._confidence, self._lengths) if self._lengths.any() else None
-        quiet = self._looked is False and not self._heads_run and self._decoding_only
-        self._quiet_steps = self._quiet_steps + 1 if quiet else 0
+        self._count_quiet_steps()
 
-    def asleep(self, requests: int, num_tokens: int) -> bool:
+    def _count_quiet_steps(self) -> None:
+        """A decode-only step planned to run no heads counts towards sleep (`asleep`); one that
+        ran heads, drafted or looked breaks the count; a step that carried a prefill chunk
+        (planned from the decode-only tables all the same) leaves it as it is: under steady
+        arrivals nearly every step carries one, and a count they broke never reached
+        QUIET_STEPS (the demo sweep's 64-request waves slept 37% of their steps, not 75%)."""
+        if self._looked or self._heads_run:
+            self._quiet_steps = 0
+        elif self._looked is False and self._decoding_only:
+            self._quiet_steps += 1
+
+    def asleep(self, requests: int) -> bool:
         """Whether this draft step is skipped whole, before anything is read (the runner hook
         then only keeps the step's augmenting-block KV): the policy neither plans, nor runs the
         heads, nor observes the step.
@@ -801,15 +812,14 @@ class GoodputPolicy:
         Where nothing pays, a plan of none is the policy's whole output, and what it costs to
         reach it every step is most of what speculation costs then: on the demo base at batch
         4 (a 3.5 ms step) our draft step took 0.24 ms with Clover, 0.54 with CLP, whose length
-        head runs for every row (README, the floor run). So after QUIET_STEPS planned steps in
-        a row that ran no heads, while the batch keeps its size bucket and runs `requests`
-        decodes alone (`num_tokens`, no drafts verified), of every WAKE_EVERY steps all but two
-        are skipped: the first awake step times nothing (the step before it went unobserved),
-        the second times one step, so the step table keeps up with the machine. A plan that
-        drafts, a look, a prefill chunk or another batch size wakes it for QUIET_STEPS steps.
-        Looks count awake steps only, so a sleeping policy looks WAKE_EVERY / 2 times less often."""
-        if self._quiet_steps < QUIET_STEPS or num_tokens != requests or bucket(requests) != self._batch_bucket \
-                or self.looks.now():
+        head runs for every row (README, the floor run). So after QUIET_STEPS decode-only steps
+        whose plans ran no heads (`_count_quiet_steps`), while the batch of `requests` keeps its
+        size bucket, of every WAKE_EVERY steps all but two are skipped, prefill chunks or not:
+        the first awake step times nothing (the step before it went unobserved), the second
+        times one step, so the step table keeps up with the machine. A plan that drafts, a look
+        or another batch size wakes it for QUIET_STEPS steps. Looks count awake steps only, so
+        a sleeping policy looks WAKE_EVERY / 2 times less often."""
+        if self._quiet_steps < QUIET_STEPS or bucket(requests) != self._batch_bucket or self.looks.now():
             self._sleep_phase = 0
             return False
         self._sleep_phase = (self._sleep_phase + 1) % WAKE_EVERY
@@ -1080,7 +1090,7 @@ class SharedDecisions:
         lengths = self.policy.lengths(confidence, budgets, heads_to_run)
         return self.share(lengths) if heads_to_run else lengths
 
-    def asleep(self, requests: int, num_tokens: int) -> bool:
+    def asleep(self, requests: int) -> bool:
         """Never: a rank that skipped a step its peers drafted in would leave their heads'
         collectives waiting, and sharing the decision would cost a broadcast a step, what
         sleeping saves."""

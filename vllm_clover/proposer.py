@@ -54,7 +54,7 @@ def propose(runner: GPUModelRunner, model: HeadsDraftModel, scheduler_output: Sc
     req_ids = runner.input_batch.req_ids
     attending = partial(draft_attention, runner, model.kv_layer_names, common_attn_metadata, slot_mappings)
     if model.policy is not None:
-        if model.policy.asleep(len(sampled_token_ids), num_tokens):
+        if model.policy.asleep(len(sampled_token_ids)):
             model.keep_step_kv(hidden_states[:num_tokens], runner._get_positions(num_tokens), attending,
                                kv_slots(model.kv_layer_names, slot_mappings), attend=False)
             model.stats.record_skipped(len(sampled_token_ids))
