@@ -574,7 +574,7 @@ def test_a_policy_whose_plans_draft_nothing_sleeps_through_most_steps_and_wakes_
     # One step timed per wake, each one step's seconds (not the skipped steps' too)
     timed = [seconds for _, seconds, _ in policy.step_costs.models[bucket(64)].samples[bucket(64)]]
     assert timed[-4:] == pytest.approx([float(step_time(64)), faster, faster, faster])
-    assert not policy.asleep(32)                     # another batch size
+    assert not policy.asleep(32)                     # a batch size not yet quiet
     assert not SharedDecisions(policy, lambda decision: decision).asleep(64)
 
 
@@ -593,10 +593,25 @@ def test_steps_with_prefill_chunks_neither_count_towards_sleep_nor_wake_the_poli
         assert policy.heads_to_run([K] * 63) == 0
         policy.end_step(ids[:-1])
 
-    quiet = policy._quiet_steps
+    quiet = policy._quiet_steps[bucket(64)]
     prefill_step()
-    assert policy._quiet_steps == quiet >= QUIET_STEPS  # neither counted nor broke the count
+    assert policy._quiet_steps[bucket(64)] == quiet >= QUIET_STEPS  # neither counted nor broke the count
     assert [policy.asleep(64) for _ in range(WAKE_EVERY - 2)] == [True] * (WAKE_EVERY - 2)
+
+
+def test_a_new_wave_whose_first_steps_run_a_smaller_batch_sleeps_at_once_at_its_own_size():
+    """A wave's requests reach the engine one by one, so its first steps run a smaller batch:
+    planned there, they leave the quiet count of the wave's own size as it was, and the
+    policy sleeps there at once; a plan that drafts, at any size, wakes every size."""
+    c, step_time = Clock(), roofline(memory_bound_tokens=8, seconds=0.010)
+    policy = GoodputPolicy(K, clock=c)
+    run_steps(policy, c, 64, step_time, steps=30 + QUIET_STEPS)
+    assert policy.asleep(64)
+    assert not policy.asleep(40)                             # the next wave, half arrived
+    assert run_steps(policy, c, 40, step_time, steps=1) == [[0] * 40]
+    assert [policy.asleep(64) for _ in range(WAKE_EVERY - 2)] == [True] * (WAKE_EVERY - 2)
+    run_steps(policy, c, 1, step_time, steps=1)              # drafts: a lone request's drafts pay
+    assert not policy.asleep(64)
 
 
 def test_the_summary_shows_each_confidence_bins_served_counts_beside_its_planned_rate():

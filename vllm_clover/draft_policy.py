@@ -92,7 +92,7 @@ COSTS_REFRESH_STEPS = 16
 # of two of the table's medians (`plan_lengths`'s margin, `GoodputPolicy._build_costs`).
 MARGIN_STANDARD_ERRORS = 1.0
 # A policy whose plans ran no heads and drafted nothing for QUIET_STEPS decode-only steps in a
-# row sleeps while the batch keeps its size: of every WAKE_EVERY draft steps it skips all but
+# row at a batch size sleeps at that size: of every WAKE_EVERY draft steps it skips all but
 # the last two (`GoodputPolicy.asleep`).
 QUIET_STEPS = 16
 WAKE_EVERY = 8
@@ -710,7 +710,8 @@ class GoodputPolicy:
         self._step_estimate: Estimate | None = None  # the step times the latest plans read
         self._heads_seconds = 0.0
         self._deferred_seconds = 0.0
-        self._quiet_steps = 0  # planned steps in a row that ran no heads (`end_step`)
+        # per batch-size bucket: its planned steps that ran no heads since any did (`end_step`)
+        self._quiet_steps: Counter[int] = Counter()
         self._sleep_phase = 0  # where a sleeping policy is in its WAKE_EVERY steps (`asleep`)
         self._heads_run = 0
         self._rows = 0
@@ -763,10 +764,9 @@ class GoodputPolicy:
 
     def _note_batch_bucket(self, batch_bucket: int, decode_only: bool) -> None:
         """Count the decode-only steps the batch size has held (steps carrying a prefill chunk
-        neither count nor break the count: under arrivals they come between decodes); a new
-        size is planned for QUIET_STEPS steps before the policy sleeps there (`asleep`)."""
+        neither count nor break the count: under arrivals they come between decodes)."""
         if batch_bucket != self._batch_bucket:
-            self._batch_bucket, self._settled_steps, self._quiet_steps = batch_bucket, 0, 0
+            self._batch_bucket, self._settled_steps = batch_bucket, 0
         self._settled_steps += decode_only
 
     @property
@@ -794,15 +794,20 @@ class GoodputPolicy:
         self._count_quiet_steps()
 
     def _count_quiet_steps(self) -> None:
-        """A decode-only step planned to run no heads counts towards sleep (`asleep`); one that
-        ran heads, drafted or looked breaks the count; a step that carried a prefill chunk
-        (planned from the decode-only tables all the same) leaves it as it is: under steady
-        arrivals nearly every step carries one, and a count they broke never reached
-        QUIET_STEPS (the demo sweep's 64-request waves slept 37% of their steps, not 75%)."""
+        """A decode-only step planned to run no heads counts towards sleep at its batch size
+        (`asleep`); one that ran heads, drafted or looked breaks the count at every size; a
+        step that carried a prefill chunk (planned from the decode-only tables all the same)
+        leaves it as it is: under steady arrivals nearly every step carries one, and a count
+        they broke never reached QUIET_STEPS (the demo sweep's 64-request waves slept 37% of
+        their steps, not 75%).
+
+        Counted per batch size, not for the size the batch holds: a new wave's requests reach
+        the engine one by one, so its first steps run a smaller batch, and a count restarted
+        there slept 55% of the demo sweep's steps at batch 4 to 64, not 75% (cd6db1c)."""
         if self._looked or self._heads_run:
-            self._quiet_steps = 0
+            self._quiet_steps.clear()
         elif self._looked is False and self._decoding_only:
-            self._quiet_steps += 1
+            self._quiet_steps[self._batch_bucket] += 1
 
     def asleep(self, requests: int) -> bool:
         """Whether this draft step is skipped whole, before anything is read (the runner hook
@@ -812,14 +817,15 @@ class GoodputPolicy:
         Where nothing pays, a plan of none is the policy's whole output, and what it costs to
         reach it every step is most of what speculation costs then: on the demo base at batch
         4 (a 3.5 ms step) our draft step took 0.24 ms with Clover, 0.54 with CLP, whose length
-        head runs for every row (README, the floor run). So after QUIET_STEPS decode-only steps
-        whose plans ran no heads (`_count_quiet_steps`), while the batch of `requests` keeps its
-        size bucket, of every WAKE_EVERY steps all but two are skipped, prefill chunks or not:
+        head runs for every row (README, the floor run). So once QUIET_STEPS decode-only steps
+        at the size bucket of `requests` were planned to run no heads (`_count_quiet_steps`),
+        of every WAKE_EVERY steps at that size all but two are skipped, prefill chunks or not:
         the first awake step times nothing (the step before it went unobserved), the second
-        times one step, so the step table keeps up with the machine. A plan that drafts, a look
-        or another batch size wakes it for QUIET_STEPS steps. Looks count awake steps only, so
-        a sleeping policy looks WAKE_EVERY / 2 times less often."""
-        if self._quiet_steps < QUIET_STEPS or bucket(requests) != self._batch_bucket or self.looks.now():
+        times one step, so the step table keeps up with the machine. A plan that drafts or a
+        look wakes it at every size for QUIET_STEPS steps a size; a size not yet quiet is
+        planned. Looks count awake steps only, so a sleeping policy looks WAKE_EVERY / 2 times
+        less often."""
+        if self._quiet_steps[bucket(requests)] < QUIET_STEPS or self.looks.now():
             self._sleep_phase = 0
             return False
         self._sleep_phase = (self._sleep_phase + 1) % WAKE_EVERY
