@@ -557,20 +557,19 @@ def test_policy_drafts_at_low_load_and_stops_at_high_load():
 
 
 def test_a_policy_whose_plans_draft_nothing_sleeps_through_most_steps_and_wakes_at_any_change():
-    """Where nothing pays, the policy skips all but two of every WAKE_EVERY draft steps (the
-    second of them timing a step for the table), and wakes for another batch size; under
+    """Where nothing pays, the policy skips all but one of every WAKE_EVERY draft steps, which
+    times the one step before it for the table, and wakes for another batch size; under
     tensor parallelism it never sleeps."""
     c, step_time = Clock(), roofline(memory_bound_tokens=8, seconds=0.010)
     policy = GoodputPolicy(K, clock=c)
     run_steps(policy, c, 64, step_time, steps=30 + QUIET_STEPS)
     slept, faster = [], 0.05  # the machine speeds up while the policy sleeps
     for _ in range(3 * WAKE_EVERY):
+        c.now += faster  # the engine step, then its draft step
         slept.append(policy.asleep(64))
-        if slept[-1]:
-            c.now += faster
-        else:
-            assert run_steps(policy, c, 64, lambda n: faster, steps=1) == [[0] * 64]
-    assert slept == ([True] * (WAKE_EVERY - 2) + [False] * 2) * 3
+        if not slept[-1]:
+            assert run_steps(policy, c, 64, lambda n: 0.0, steps=1) == [[0] * 64]
+    assert slept == ([True] * (WAKE_EVERY - 1) + [False]) * 3
     # One step timed per wake, each one step's seconds (not the skipped steps' too)
     timed = [seconds for _, seconds, _ in policy.step_costs.models[bucket(64)].samples[bucket(64)]]
     assert timed[-4:] == pytest.approx([float(step_time(64)), faster, faster, faster])
@@ -596,7 +595,7 @@ def test_steps_with_prefill_chunks_neither_count_towards_sleep_nor_wake_the_poli
     quiet = policy._quiet_steps[bucket(64)]
     prefill_step()
     assert policy._quiet_steps[bucket(64)] == quiet >= QUIET_STEPS  # neither counted nor broke the count
-    assert [policy.asleep(64) for _ in range(WAKE_EVERY - 2)] == [True] * (WAKE_EVERY - 2)
+    assert [policy.asleep(64) for _ in range(WAKE_EVERY - 1)] == [True] * (WAKE_EVERY - 1)
 
 
 def test_a_new_wave_whose_first_steps_run_a_smaller_batch_sleeps_at_once_at_its_own_size():
@@ -609,7 +608,7 @@ def test_a_new_wave_whose_first_steps_run_a_smaller_batch_sleeps_at_once_at_its_
     assert policy.asleep(64)
     assert not policy.asleep(40)                             # the next wave, half arrived
     assert run_steps(policy, c, 40, step_time, steps=1) == [[0] * 40]
-    assert [policy.asleep(64) for _ in range(WAKE_EVERY - 2)] == [True] * (WAKE_EVERY - 2)
+    assert [policy.asleep(64) for _ in range(WAKE_EVERY - 1)] == [True] * (WAKE_EVERY - 1)
     run_steps(policy, c, 1, step_time, steps=1)              # drafts: a lone request's drafts pay
     assert not policy.asleep(64)
 

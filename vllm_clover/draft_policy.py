@@ -93,7 +93,7 @@ COSTS_REFRESH_STEPS = 16
 MARGIN_STANDARD_ERRORS = 1.0
 # A policy whose plans ran no heads and drafted nothing for QUIET_STEPS decode-only steps in a
 # row at a batch size sleeps at that size: of every WAKE_EVERY draft steps it skips all but
-# the last two (`GoodputPolicy.asleep`).
+# the last (`GoodputPolicy.asleep`).
 QUIET_STEPS = 16
 WAKE_EVERY = 8
 MAD_TO_SIGMA = 1.4826               # a normal spread's sigma per median absolute deviation
@@ -750,8 +750,7 @@ class GoodputPolicy:
                 self._deeper_look_steps.update(key for key in self.looks.measuring if key[1] == bucket(len(req_ids)))
         self.looks.next_step()
         self._steps += 1
-        self._last_step_start, self._heads_seconds, self._heads_run, self._looked = now, 0.0, 0, None
-        self._deferred_seconds = 0.0
+        self._start_step_clock(now)
         self._running = set(req_ids)
         self._decoding_only = decode_only
         self._note_batch_bucket(bucket(len(req_ids)), decode_only)
@@ -819,20 +818,26 @@ class GoodputPolicy:
         4 (a 3.5 ms step) our draft step took 0.24 ms with Clover, 0.54 with CLP, whose length
         head runs for every row (README, the floor run). So once QUIET_STEPS decode-only steps
         at the size bucket of `requests` were planned to run no heads (`_count_quiet_steps`),
-        of every WAKE_EVERY steps at that size all but two are skipped, prefill chunks or not:
-        the first awake step times nothing (the step before it went unobserved), the second
-        times one step, so the step table keeps up with the machine. A plan that drafts or a
-        look wakes it at every size for QUIET_STEPS steps a size; a size not yet quiet is
-        planned. Looks count awake steps only, so a sleeping policy looks WAKE_EVERY / 2 times
-        less often."""
+        of every WAKE_EVERY steps at that size all but the last are skipped, prefill chunks or
+        not. A skipped step still starts the clock, so the awake step times the one engine step
+        before it and the step table keeps up with the machine (timing none, two awake steps
+        in WAKE_EVERY were needed: 75% slept at most). A plan that drafts or a look wakes it
+        at every size for QUIET_STEPS steps a size; a size not yet quiet is planned. Looks
+        count awake steps only, so a sleeping policy looks WAKE_EVERY times less often."""
         if self._quiet_steps[bucket(requests)] < QUIET_STEPS or self.looks.now():
             self._sleep_phase = 0
             return False
         self._sleep_phase = (self._sleep_phase + 1) % WAKE_EVERY
-        if self._sleep_phase >= WAKE_EVERY - 1 or self._sleep_phase == 0:
+        if self._sleep_phase == 0:
             return False
-        self._last_step_start = None  # the next awake step's time would span skipped ones
+        self._start_step_clock(self.clock())
+        self._looked = False  # a skipped step drafts what the plans that put the policy to sleep did
         return True
+
+    def _start_step_clock(self, now: float) -> None:
+        """The next step's time runs from `now`, with no heads' or put-off work in it yet."""
+        self._last_step_start, self._heads_seconds, self._heads_run, self._looked = now, 0.0, 0, None
+        self._deferred_seconds = 0.0
 
     # ---- the heads ----
 
