@@ -244,6 +244,54 @@ def test_a_failing_method_is_reported_and_the_run_completes(tmp_path, monkeypatc
     assert json.loads(out.read_text())["failed"] == result["failed"]
 
 
+def test_a_run_stopped_by_sigterm_leaves_no_engine_process_behind(tmp_path, demo_base):
+    """`kill` (SIGTERM) a run once its engine is up: the engine's processes go with it, and
+    no results file is written."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    out, engines = tmp_path / "r.json", []
+    run = subprocess.Popen([sys.executable, "-m", "benchmarks.run", "--methods", "vanilla", "--batch-sizes", "1",
+                            "--num-prompts", "8", "--rounds", "1000", "--enforce-eager", "--out", str(out)],
+                           cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and run.poll() is None:
+            engines = psutil.Process(run.pid).children(recursive=True)
+            if any("VLLM::Worker" in title(process) for process in engines):
+                break
+            time.sleep(1)
+        assert run.poll() is None and engines, "the run ended or never started an engine"
+        time.sleep(10)  # loaded, warming up or measuring
+        engines = psutil.Process(run.pid).children(recursive=True)
+        os.kill(run.pid, signal.SIGTERM)
+        assert run.wait(timeout=120) == 128 + signal.SIGTERM
+        _, alive = psutil.wait_procs(engines, timeout=60)
+        assert alive == [], alive
+        assert not out.exists()
+    finally:  # whatever failed, leave no engine running for the tests after this one
+        run.kill()
+        for process in engines:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+
+
+def title(process) -> str:
+    """A process's command line as `ps` shows it (vLLM names its engine's processes there)."""
+    import psutil
+
+    try:
+        return " ".join(process.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return ""
+
+
 def test_fresh_engines_measure_their_rounds_per_load_and_every_round_runs_once():
     from benchmarks.run import engine_lifetimes
 
