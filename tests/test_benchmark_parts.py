@@ -210,7 +210,7 @@ def test_profile_sections_match_the_committed_profiles(name):
         f"{results_file.relative_to(REPO)} --readme README.md --section profile-{name} --brief")
 
 
-@pytest.mark.parametrize("target,results_name", [("demo", "demo-load-decode-gate.json"),
+@pytest.mark.parametrize("target,results_name", [("demo", "demo-load-6cf7af3.json"),
                                                   ("smollm2", "smollm2-load-decode-gate.json")])
 def test_load_sections_match_the_committed_load_runs(target, results_name):
     results_file = POLICY_RESULTS / results_name
