@@ -830,13 +830,14 @@ class GoodputPolicy:
         self._sleep_phase = (self._sleep_phase + 1) % WAKE_EVERY
         if self._sleep_phase == 0:
             return False
-        self._start_step_clock(self.clock())
-        self._looked = False  # a skipped step drafts what the plans that put the policy to sleep did
+        # A skipped step drafts what the plans that put the policy to sleep did: a planned none.
+        self._start_step_clock(self.clock(), looked=False)
         return True
 
-    def _start_step_clock(self, now: float) -> None:
-        """The next step's time runs from `now`, with no heads' or put-off work in it yet."""
-        self._last_step_start, self._heads_seconds, self._heads_run, self._looked = now, 0.0, 0, None
+    def _start_step_clock(self, now: float, looked: bool | None = None) -> None:
+        """The next step's time runs from `now`, with no heads' or put-off work in it yet, its
+        lengths decided as `looked` says (`_looked`)."""
+        self._last_step_start, self._heads_seconds, self._heads_run, self._looked = now, 0.0, 0, looked
         self._deferred_seconds = 0.0
 
     # ---- the heads ----
