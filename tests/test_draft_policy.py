@@ -601,16 +601,18 @@ def test_steps_with_prefill_chunks_neither_count_towards_sleep_nor_wake_the_poli
 def test_a_new_wave_whose_first_steps_run_a_smaller_batch_sleeps_at_once_at_its_own_size():
     """A wave's requests reach the engine one by one, so its first steps run a smaller batch:
     planned there, they leave the quiet count of the wave's own size as it was, and the
-    policy sleeps there at once; a plan that drafts, at any size, wakes every size."""
+    policy sleeps there at once; heads that run at another size leave it asleep."""
     c, step_time = Clock(), roofline(memory_bound_tokens=8, seconds=0.010)
     policy = GoodputPolicy(K, clock=c)
+    assert all(sum(lengths) for lengths in run_steps(policy, c, 1, step_time, steps=30)[-10:])  # pays alone
     run_steps(policy, c, 64, step_time, steps=30 + QUIET_STEPS)
     assert policy.asleep(64)
     assert not policy.asleep(40)                             # the next wave, half arrived
     assert run_steps(policy, c, 40, step_time, steps=1) == [[0] * 40]
     assert [policy.asleep(64) for _ in range(WAKE_EVERY - 1)] == [True] * (WAKE_EVERY - 1)
-    run_steps(policy, c, 1, step_time, steps=1)              # drafts: a lone request's drafts pay
-    assert not policy.asleep(64)
+    assert not policy.asleep(1)
+    assert run_steps(policy, c, 1, step_time, steps=1) != [[0]]  # the wave's last request drafts
+    assert [policy.asleep(64) for _ in range(WAKE_EVERY - 1)] == [True] * (WAKE_EVERY - 1)
 
 
 def test_the_summary_shows_each_confidence_bins_served_counts_beside_its_planned_rate():

@@ -794,7 +794,7 @@ class GoodputPolicy:
 
     def _count_quiet_steps(self) -> None:
         """A decode-only step planned to run no heads counts towards sleep at its batch size
-        (`asleep`); one that ran heads, drafted or looked breaks the count at every size; a
+        (`asleep`); one that ran heads, drafted or looked breaks the count at its size; a
         step that carried a prefill chunk (planned from the decode-only tables all the same)
         leaves it as it is: under steady arrivals nearly every step carries one, and a count
         they broke never reached QUIET_STEPS (the demo sweep's 64-request waves slept 37% of
@@ -802,9 +802,14 @@ class GoodputPolicy:
 
         Counted per batch size, not for the size the batch holds: a new wave's requests reach
         the engine one by one, so its first steps run a smaller batch, and a count restarted
-        there slept 55% of the demo sweep's steps at batch 4 to 64, not 75% (cd6db1c)."""
+        there slept 55% of the demo sweep's steps at batch 4 to 64, not 75% (cd6db1c). Broken
+        per batch size too: a draft at one size had woken every size for QUIET_STEPS steps
+        (6cf7af3: Clover on SmolLM2 at batch 4 drafted 4 single tokens in a 260-step round,
+        at batch 1 as a wave drained or at 4, and slept 62% of its steps where 7 in 8 is the
+        ceiling). A size that sleeps still plans once in WAKE_EVERY steps, so drafting that
+        starts to pay there wakes it."""
         if self._looked or self._heads_run:
-            self._quiet_steps.clear()
+            self._quiet_steps.pop(self._batch_bucket, None)
         elif self._looked is False and self._decoding_only:
             self._quiet_steps[self._batch_bucket] += 1
 
@@ -821,9 +826,9 @@ class GoodputPolicy:
         of every WAKE_EVERY steps at that size all but the last are skipped, prefill chunks or
         not. A skipped step still starts the clock, so the awake step times the one engine step
         before it and the step table keeps up with the machine (timing none, two awake steps
-        in WAKE_EVERY were needed: 75% slept at most). A plan that drafts or a look wakes it
-        at every size for QUIET_STEPS steps a size; a size not yet quiet is planned. Looks
-        count awake steps only, so a sleeping policy looks WAKE_EVERY times less often."""
+        in WAKE_EVERY were needed: 75% slept at most). A plan that drafts at its size, or a
+        look, wakes it for QUIET_STEPS steps; a size not yet quiet is planned. Looks count
+        awake steps only, so a sleeping policy looks WAKE_EVERY times less often."""
         if self._quiet_steps[bucket(requests)] < QUIET_STEPS or self.looks.now():
             self._sleep_phase = 0
             return False
