@@ -881,6 +881,29 @@ def test_a_fixed_cost_of_any_draft_is_not_read_as_the_cost_of_every_draft():
     assert all(drafts[0] >= 3 for drafts in steps[-10:])
 
 
+def test_a_step_without_drafts_is_priced_no_dearer_than_one_at_a_larger_batch_size():
+    """The demo base's Clover at batch 1 drafted in nearly every step, and its few steps
+    without drafts (after drafting ones, a request's first decode) timed dearer than batch
+    4's: against that price one draft a step paid. Priced at batch 4's, none does."""
+    def measured_batch_1(with_batch_4: bool) -> GoodputPolicy:
+        policy = GoodputPolicy(K, clock=Clock())
+        for _ in range(SAMPLES_PER_BUCKET):
+            if with_batch_4:
+                policy.step_costs.observe(4, 4, 0.004)
+            for tokens, seconds in ((1, 0.006), (2, 0.006), (3, 0.0065), (5, 0.0065)):
+                policy.step_costs.observe(1, tokens, seconds)
+            for positions in range(1, K + 1):
+                policy.heads_costs.observe(1, positions, 0.001 * positions)
+        policy.acceptance.note_confidence(np.full((8, K), 0.5))
+        return policy
+
+    # Drafts accepted at 0.55: one draft, 1.55 tokens in 7 ms, beats none at 6 ms, not at 4.
+    assert measured_batch_1(with_batch_4=False).heads_to_run([K]) == 1
+    policy = measured_batch_1(with_batch_4=True)
+    assert policy.heads_to_run([K]) == 0
+    assert policy.lengths(np.full((1, K), 0.5), [K], heads_to_run=True) == [0]
+
+
 def test_a_queue_jumping_past_the_batch_sizes_measured_drafts_nothing_where_the_smaller_one_drafts_nothing():
     """SmolLM2's ramped load (benchmarks/results/policy/HISTORY.md): at the peak the batch
     jumped from ~4 to ~40, and at every new batch size the policy looked one and then two

@@ -27,7 +27,8 @@ and per bin of the heads' own confidence, on top of that bin's rate over all pos
 the step time from the wall time between successive draft steps, per batch size and token
 count (both in buckets; a look's steps priced relative to the planned ones beside them);
 the heads' time per number of rows and positions. A batch size not yet measured borrows
-the nearest measured one's figures (`estimate`); until any is measured the policy drafts
+the nearest measured one's figures (`estimate`), and a step without drafts is priced no
+dearer than one at a larger batch size (`_no_dearer_than_a_larger_batch`); until any is measured the policy drafts
 the full budget, which is also how it measures. Every so often it looks past its plan (one
 draft deeper, or none at all), to re-measure what it no longer does (`Looks`: less often
 while looking does not pay), and at once where one draft deeper (two, from a plan of none)
@@ -93,9 +94,11 @@ COSTS_REFRESH_STEPS = 16
 MARGIN_STANDARD_ERRORS = 1.0
 # A policy whose plans ran no heads and drafted nothing for QUIET_STEPS decode-only steps in a
 # row at a batch size sleeps at that size: of every WAKE_EVERY draft steps it skips all but
-# the last (`GoodputPolicy.asleep`).
+# the last (`GoodputPolicy.asleep`). Sixteen, not eight: an awake step that plans none costs
+# ~3x a skipped one (in-process, demo base, Clover: 0.24-0.27 ms against 0.08-0.13 at batch
+# 1-16, on a 3-9 ms step), and a size where drafting starts to pay still wakes within 16 steps.
 QUIET_STEPS = 16
-WAKE_EVERY = 8
+WAKE_EVERY = 16
 MAD_TO_SIGMA = 1.4826               # a normal spread's sigma per median absolute deviation
 MEDIAN_SE_FACTOR = math.sqrt(math.pi / 2)  # a median's standard error per sigma / sqrt(n)
 
@@ -423,6 +426,17 @@ class CostsByBatch:
         if self.sizes_per_batch:
             return (lambda n: predict(np.asarray(n) / ratio) * ratio), largest * ratio
         return (lambda n: predict(n) * ratio), largest
+
+    def least_step_without_drafts(self, above: int) -> float:
+        """The least seconds a step that ran decodes alone, without drafts, took at any measured
+        batch-size bucket above bucket `above` (its table's smallest size, where that is its own
+        batch size), or inf where none has measured one."""
+        least = math.inf
+        for b, model in self.measured().items():
+            sizes, seconds = model.table()
+            if b > above and bucket(round(sizes[0])) == bucket(round(statistics.median(self.batch_sizes[b]))):
+                least = min(least, float(seconds[0]))
+        return least
 
     def _ratio(self, measured_bucket: int, requests: int) -> float:
         """How many of a measured bucket's requests a batch of `requests` is."""
@@ -1043,7 +1057,23 @@ class GoodputPolicy:
         margin = MARGIN_STANDARD_ERRORS * math.sqrt(2) * table.models[b].relative_error()
         heads_time = None if heads is None else \
             WholeSizes(lambda positions: np.where(positions > 0, heads(positions), 0.0))
-        return WholeSizes(step), heads_time, margin
+        return WholeSizes(self._no_dearer_than_a_larger_batch(step)), heads_time, margin
+
+    def _no_dearer_than_a_larger_batch(self, step: Estimate) -> Callable[[np.ndarray], np.ndarray]:
+        """`step`, its step without drafts (base_tokens) priced at most what one took at a
+        larger batch size: fewer requests and tokens on the same path never cost more.
+
+        Where a batch size drafts in nearly every step, its few steps without drafts are not
+        plain decoding's: the first after drafting steps, a request's first decode. On the demo
+        base at batch 1, Clover's table put a step without drafts at 5.23 ms (13 of 493
+        steps), above batch 3's (5.07) and batch 4's (4.47), where plain decoding took 3.47
+        ms; against that, drafting looked worth its ~2 ms, and it drafted 2.73 tokens a step
+        at 0.89x plain decoding (6cf7af3; 0.94x with nothing drafted). Read from a larger
+        batch the price is still dearer than the truth, so drafting that pays still does."""
+        base, plain = self.base_tokens, self.step_costs.least_step_without_drafts(bucket(self.base_tokens))
+        if math.isinf(plain):
+            return step
+        return lambda n: np.where(np.asarray(n) <= base, np.minimum(step(n), plain), step(n))
 
     def summary(self) -> dict:
         """The policy's models, for the benchmark JSON: the step-time and heads-time tables
