@@ -28,8 +28,8 @@ the step time from the wall time between successive draft steps, per batch size 
 count (both in buckets; a look's steps priced relative to the planned ones beside them);
 the heads' time per number of rows and positions. A batch size not yet measured borrows
 the nearest measured one's figures (`estimate`), and a step without drafts is priced no
-dearer than one at a larger batch size (`_no_dearer_than_a_larger_batch`); until any is measured the policy drafts
-the full budget, which is also how it measures. Every so often it looks past its plan (one
+dearer than one at a larger batch size (`_no_dearer_than_a_larger_batch`); until any is
+measured the policy drafts the full budget, which is also how it measures. Every so often it looks past its plan (one
 draft deeper, or none at all), to re-measure what it no longer does (`Looks`: less often
 while looking does not pay), and at once where one draft deeper (two, from a plan of none)
 has not been measured at this batch size or one a little smaller, once the batch has held
@@ -1068,8 +1068,10 @@ class GoodputPolicy:
         base at batch 1, Clover's table put a step without drafts at 5.23 ms (13 of 493
         steps), above batch 3's (5.07) and batch 4's (4.47), where plain decoding took 3.47
         ms; against that, drafting looked worth its ~2 ms, and it drafted 2.73 tokens a step
-        at 0.89x plain decoding (6cf7af3; 0.94x with nothing drafted). Read from a larger
-        batch the price is still dearer than the truth, so drafting that pays still does."""
+        at 0.89x plain decoding (6cf7af3; 0.94x with nothing drafted). Each batch size's median
+        is of its own moment, so a larger one timed in a faster spell can price this one under
+        what it costs now (SmolLM2, 1d5c409: batch 2's 73.7 ms capped batch 1's 80.9; the
+        decision was the same either way)."""
         base, plain = self.base_tokens, self.step_costs.least_step_without_drafts(bucket(self.base_tokens))
         if math.isinf(plain):
             return step
