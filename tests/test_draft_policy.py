@@ -904,6 +904,28 @@ def test_a_step_without_drafts_is_priced_no_dearer_than_one_at_a_larger_batch_si
     assert policy.lengths(np.full((1, K), 0.5), [K], heads_to_run=True) == [0]
 
 
+def test_a_step_of_another_kind_than_the_one_before_it_prices_neither_kind():
+    """A policy drafting nearly every step times few steps without drafts, each right after
+    drafting ones, and dearer than steady ones: priced from them, a step without drafts looked
+    as dear as one with two drafts (the demo base's Clover at batch 1). Only steps after a step
+    of their own kind (drafts or none) are priced."""
+    c = Clock()
+    policy = GoodputPolicy(K, clock=c)
+
+    def step(tokens: int, seconds: float) -> None:
+        c.now += seconds
+        policy.observe_step(tokens, ["r"], {"r": tokens - 1}, {"r": min(1, tokens - 1)})
+
+    for _ in range(6):
+        for _ in range(3):
+            step(3, 0.005)
+        step(1, 0.007)  # the first step without drafts after drafting ones
+    for _ in range(4):
+        step(1, 0.004)
+    costs = policy.step_costs.models[bucket(1)]
+    assert costs.predict(np.array([1, 3])).tolist() == pytest.approx([0.004, 0.005])
+
+
 def test_a_queue_jumping_past_the_batch_sizes_measured_drafts_nothing_where_the_smaller_one_drafts_nothing():
     """SmolLM2's ramped load (benchmarks/results/policy/HISTORY.md): at the peak the batch
     jumped from ~4 to ~40, and at every new batch size the policy looked one and then two
