@@ -983,9 +983,13 @@ class GoodputPolicy:
         look steps, mostly steps with prefill chunks, accepted 13%). And only at a batch size
         held for SETTLED_STEPS decode-only steps: a draining wave passes a new size every few
         steps, and the demo base's warm-up began a look at each (53, 36, 11, 2 rows), each
-        drafting for sizes no plan would run at."""
+        drafting for sizes no plan would run at. And only once the planned step is measured at
+        this batch size: a look's samples are priced relative to it (`CostModel`), and with
+        no median to keep they would stand unscaled for thousands of steps."""
         if self.looks.now() or not self._decoding_only or self._settled_steps < SETTLED_STEPS:
             return
+        if not self.step_costs.knows_at(bucket(self.base_tokens), self.base_tokens, self.base_tokens + sum(plan)):
+            return  # the look's samples are priced against the planned step's median, once it has one
         # Sizes only ever become measured (or given up on), so inputs that had nothing to
         # measure have nothing until the plan, the batch or the step estimate read by
         # `_priced_from_smaller` changes: a steady batch skips the search every step.
