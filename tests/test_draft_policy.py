@@ -17,6 +17,7 @@ from vllm_clover.draft_policy import (
     CALIBRATION_MIN_DRAFTS,
     EXPLORE_AFTER,
     EXPLORE_STEPS,
+    MIN_SAMPLES,
     QUIET_STEPS,
     RECENT_ROWS,
     SAMPLES_PER_BUCKET,
@@ -134,8 +135,9 @@ def test_a_policy_skipping_plans_below_the_threshold_decides_as_one_that_plans_e
     with_shortcut, planned_with_shortcut = serve(), len(plans)
     monkeypatch.setattr(draft_policy, "first_draft_threshold", lambda *args: -1.0)  # never below it
     assert serve() == with_shortcut
-    assert len(plans) == 400 - 3 > 2 * planned_with_shortcut  # (the first 3 steps measure, unplanned)
-    assert sum(1 for lengths in with_shortcut[20:] if sum(lengths)) > 0  # not a policy that never drafts
+    # (the first 4 steps measure, unplanned: the first drafting one follows none, so prices nothing)
+    assert len(plans) == 400 - 4 > 2 * planned_with_shortcut
+    assert sum(1 for lengths in with_shortcut[4:] if sum(lengths)) > 0  # planned drafts, not only the measuring ones
 
 
 def test_a_gain_inside_the_step_tables_noise_drafts_nothing():
@@ -168,7 +170,7 @@ def test_a_policy_on_a_noisy_step_stops_drafting_for_a_slivers_gain():
     position): on a steady machine the plan drafts for its ~4% gain; where each size's step
     times scatter +-10% about the same medians (so known to ~4%), it drafts nothing."""
     def planned_drafts(scatter: float) -> int:
-        signs = collections.defaultdict(lambda: itertools.cycle([1, -1]))  # per size: medians stay exact
+        signs = collections.defaultdict(lambda: itertools.cycle([1, 0, -1]))  # per size: medians stay exact
         step_time = lambda n: (0.0584 + 0.0044 * n) * (1 + scatter * next(signs[bucket(n)]))  # noqa: E731
         turns = itertools.count()
         accept = lambda n: int(n > 0 and next(turns) % 10 < 3)  # noqa: E731
@@ -708,7 +710,9 @@ def test_each_draft_is_counted_by_what_decided_it():
     assert sum(by.values()) == stats.drafted == sum(map(sum, steps)) and by["rule"] == 0
     measured = next(i for i, s in enumerate(steps) if s != [K] * 64)
     assert by["plan"] == measured * K * 64  # the full budget until the step time is measured
-    look, deeper = [1] * 64, SETTLED_STEPS - 1  # the plan's 0, plus one; the steps count from the first
+    # The plan's 0, plus one, once the batch held (the steps count from the first) and the
+    # planned step is measured (the first step without drafts after drafting ones prices nothing)
+    look, deeper = [1] * 64, max(SETTLED_STEPS - 1, measured + 1 + MIN_SAMPLES)
     assert steps[measured:deeper] == [[0] * 64] * (deeper - measured)
     assert steps[deeper:deeper + EXPLORE_STEPS] == [look] * EXPLORE_STEPS
     # Once: then batch 64 has measured one deeper; two deeper needs no look, the full budget
@@ -902,6 +906,28 @@ def test_a_step_without_drafts_is_priced_no_dearer_than_one_at_a_larger_batch_si
     policy = measured_batch_1(with_batch_4=True)
     assert policy.heads_to_run([K]) == 0
     assert policy.lengths(np.full((1, K), 0.5), [K], heads_to_run=True) == [0]
+
+
+def test_a_step_of_another_kind_than_the_one_before_it_prices_neither_kind():
+    """A policy drafting nearly every step times few steps without drafts, each right after
+    drafting ones, and dearer than steady ones: priced from them, a step without drafts looked
+    as dear as one with two drafts (the demo base's Clover at batch 1). Only steps after a step
+    of their own kind (drafts or none) are priced."""
+    c = Clock()
+    policy = GoodputPolicy(K, clock=c)
+
+    def step(tokens: int, seconds: float) -> None:
+        c.now += seconds
+        policy.observe_step(tokens, ["r"], {"r": tokens - 1}, {"r": min(1, tokens - 1)})
+
+    for _ in range(6):
+        for _ in range(3):
+            step(3, 0.005)
+        step(1, 0.007)  # the first step without drafts after drafting ones
+    for _ in range(4):
+        step(1, 0.004)
+    costs = policy.step_costs.models[bucket(1)]
+    assert costs.predict(np.array([1, 3])).tolist() == pytest.approx([0.004, 0.005])
 
 
 def test_a_queue_jumping_past_the_batch_sizes_measured_drafts_nothing_where_the_smaller_one_drafts_nothing():

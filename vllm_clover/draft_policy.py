@@ -715,6 +715,13 @@ class GoodputPolicy:
         self._deeper_look_steps: Counter[tuple[str, int, int]] = Counter()  # per key: look steps at its batch
         self._nothing_deeper: tuple | None = None  # what `_measure_deeper` last found nothing to measure for
         self._last_step_start: float | None = None
+        # Whether the last step observed verified drafts (None before any). A step whose kind
+        # differs is timed for the looks but priced in no table: the first step without drafts
+        # after drafting ones is dearer than steady ones (at batch 1 on the demo base, Clover's
+        # table put a step without drafts at 5.23 ms while drafting nearly every step, 3.72 ms
+        # while drafting none; plain decoding's took 3.47-3.66), and in a policy that drafts
+        # nearly every step such steps are the only ones it times without drafts.
+        self._last_drafted: bool | None = None
         self._steps = 0
         # with heads or not -> (step built, (tokens, rows, sizes known) built for, the cost functions)
         self._built_costs: dict[bool, tuple[int, tuple[int, int, int], tuple]] = {}
@@ -752,12 +759,14 @@ class GoodputPolicy:
         on the decodes alone: a prompt is prefilled once whatever is drafted."""
         now = self.clock()
         decode_only = num_tokens == len(req_ids) + sum(verified.values()) and len(accepted) == len(req_ids)
+        drafted = any(verified.values())
         if self._last_step_start is not None and not self._running.isdisjoint(req_ids):
             # Since the last draft step began: its heads, then this whole engine step (not work
             # put off from earlier steps, `deferred_work_timed`).
             seconds = now - self._last_step_start - self._deferred_seconds
             costs = self.step_costs if decode_only else self.prefill_step_costs
-            costs.observe(len(req_ids), num_tokens, seconds - self._heads_seconds, look=bool(self._looked))
+            if self._last_drafted in (None, drafted):  # `_last_drafted`: a change of kind is neither kind's price
+                costs.observe(len(req_ids), num_tokens, seconds - self._heads_seconds, look=bool(self._looked))
             if self._looked is not None:
                 self.looks.step_done(len(req_ids), self._looked, len(accepted) + sum(accepted.values()), seconds)
             if self._looked:
@@ -767,6 +776,7 @@ class GoodputPolicy:
         self._start_step_clock(now)
         self._running = set(req_ids)
         self._decoding_only = decode_only
+        self._last_drafted = drafted
         self._note_batch_bucket(bucket(len(req_ids)), decode_only)
         self.base_tokens = max(len(accepted), 1)
         if self._pending is not None:
@@ -973,9 +983,13 @@ class GoodputPolicy:
         look steps, mostly steps with prefill chunks, accepted 13%). And only at a batch size
         held for SETTLED_STEPS decode-only steps: a draining wave passes a new size every few
         steps, and the demo base's warm-up began a look at each (53, 36, 11, 2 rows), each
-        drafting for sizes no plan would run at."""
+        drafting for sizes no plan would run at. And only once the planned step is measured at
+        this batch size: a look's samples are priced relative to it (`CostModel`), and with
+        no median to keep they would stand unscaled for thousands of steps."""
         if self.looks.now() or not self._decoding_only or self._settled_steps < SETTLED_STEPS:
             return
+        if not self.step_costs.knows_at(bucket(self.base_tokens), self.base_tokens, self.base_tokens + sum(plan)):
+            return  # the look's samples are priced against the planned step's median, once it has one
         # Sizes only ever become measured (or given up on), so inputs that had nothing to
         # measure have nothing until the plan, the batch or the step estimate read by
         # `_priced_from_smaller` changes: a steady batch skips the search every step.
