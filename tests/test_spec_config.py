@@ -369,3 +369,60 @@ def test_steps_without_drafts_sample_like_plain_decoding():
     assert sample(runner(object()), None, no_drafts) is no_drafts  # vLLM's own drafters
     assert sample(runner(ours, budget), None, no_drafts) is no_drafts
     assert sample(runner(ours), None, None) is None  # a step vLLM already samples plainly
+
+
+def test_greedy_verification_takes_the_tokens_vllms_rejection_sampler_takes():
+    """Our runners' rejection sampler, all requests greedy, verifies on one argmax over the
+    logits rows and gives vLLM's own output token for token: drafts that match the target's
+    argmax accepted up to the first that does not, the bonus token after a fully accepted
+    run, placeholders after a rejection; ties go to the first index, as vLLM's do. A request
+    with logprobs, or an active logit_bias, keeps vLLM's path."""
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from vllm_clover.patches import OURS_ATTR, argmax_decides
+
+    current_platform.register_triton_kernel_overrides()  # what a CPU worker does: vLLM's C++ kernels
+    vocab, rng = 64, torch.Generator().manual_seed(0)
+    drafts = [[3, 9, 1], [], [7], [2, 2, 2, 2]]  # logits rows: each request's drafts, then its bonus row
+    metadata = SpecDecodeMetadata(
+        draft_token_ids=torch.tensor([3, 9, 1, 7, 2, 2, 2, 2], dtype=torch.int32), num_draft_tokens=[3, 0, 1, 4],
+        cu_num_draft_tokens=torch.tensor([3, 3, 4, 8], dtype=torch.int32),
+        cu_num_sampled_tokens=torch.tensor([4, 5, 7, 12], dtype=torch.int32),
+        target_logits_indices=torch.tensor([0, 1, 2, 5, 7, 8, 9, 10], dtype=torch.int32),
+        bonus_logits_indices=torch.tensor([3, 4, 6, 11], dtype=torch.int32), logits_indices=torch.arange(12))
+    logits = torch.randn(sum(map(len, drafts)) + len(drafts), vocab, generator=rng)
+    logits[0, 3] = logits[1, 9] = 10.0               # request 0: two accepted, the third rejected
+    logits[5, 7] = 10.0                              # request 2: accepted, then its bonus token
+    logits[7:11, 2] = 10.0                           # request 3: all four accepted,
+    logits[11, :] = 0.0                              # and its bonus row a tie: index 0
+    bias = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
+
+    def sampling(**changes) -> SamplingMetadata:
+        fields = dict(temperature=None, all_greedy=True, all_random=False, top_p=None, top_k=None, generators={},
+                      max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
+                      frequency_penalties=torch.zeros(4), presence_penalties=torch.zeros(4),
+                      repetition_penalties=torch.ones(4), output_token_ids=[[] for _ in drafts],
+                      allowed_token_ids_mask=None, bad_words_token_ids={},
+                      logitsprocs=LogitsProcessors([bias]), spec_token_ids=drafts)
+        return SamplingMetadata(**{**fields, **changes})
+
+    vllms, ours = RejectionSampler(Sampler()), RejectionSampler(Sampler())
+    setattr(ours, OURS_ATTR, True)
+    expected = vllms(metadata, None, logits.clone(), sampling()).sampled_token_ids  # no flag: vLLM's path
+    forward = {p.name: p.wrap for p in PATCHES}["greedy_verification"](lambda *args: "vLLM's path")
+    assert torch.equal(forward(ours, metadata, None, logits.clone(), sampling()).sampled_token_ids, expected)
+    assert forward(vllms, metadata, None, logits, sampling()) == "vLLM's path"  # not our runner's
+    assert forward(ours, metadata, None, logits, sampling(max_num_logprobs=0)) == "vLLM's path"
+    assert expected.tolist() == [[3, 9, int(logits[2].argmax()), -1, -1], [int(logits[4].argmax()), -1, -1, -1, -1],
+                                 [7, int(logits[6].argmax()), -1, -1, -1], [2, 2, 2, 2, 0]]
+    bias.biases = {0: {5: 1.0}}
+    assert not argmax_decides(ours, sampling())
+    assert not argmax_decides(SimpleNamespace(synthetic_mode=False), sampling(all_greedy=False, all_random=True))
