@@ -178,7 +178,7 @@ def test_a_drafting_cell_shows_the_steps_the_policy_slept_through():
 @pytest.mark.parametrize("results_file,section,batches", [
     (RESULTS, "results", [1, 4, 8, 16, 32, 64]),
     (SMOLLM2_RESULTS, "smollm2-results", [1, 4, 16, 64]),
-    (POLICY_RESULTS / "demo-capped-plain.json", "policy-demo", [1, 4, 16, 64]),
+    (POLICY_RESULTS / "demo-steady-greedy.json", "policy-demo", [1, 4, 16, 64]),
     (POLICY_RESULTS / "smollm2-capped-plain.json", "policy-smollm2", [1, 4, 16, 64]),
     (RESULTS.parent / "peer.json", "demo-peer", [1, 4]),
     (SMOLLM2_RESULTS.parent / "peer.json", "smollm2-peer", [1, 4]),
