@@ -111,7 +111,8 @@ def drafting_tables(results: dict) -> list[str]:
     by_source = any("draft_tokens_per_request_step_by_source" in r.get("drafting", {})
                     for m in ours for r in results[m].values())
     slept = any("steps_slept_fraction" in r.get("drafting", {}) for m in ours for r in results[m].values())
-    return ["**Draft tokens per request and step** (what our heads proposed; the goodput policy chooses per "
+    return ["**Draft tokens per request and step** (what our heads proposed, in the median round by this "
+            "count, with the lowest and highest round where they differ; the goodput policy chooses per "
             "request and step; `-fixed`: Clover drafts K, CLP follows its threshold) and, in brackets, "
             "**steps that drafted nothing**" + (", the steps the goodput policy **slept** through"
                                                 if slept else "")
@@ -126,7 +127,9 @@ def drafting_cell(drafting: dict) -> str:
     sources = drafting.get("draft_tokens_per_request_step_by_source")
     if sources and drafting.get("policy") is not None:
         brackets.append(f"looks {sources['look'] + sources['deeper_look']:.2f}")
-    return f"{drafting['draft_tokens_per_request_step']:.2f} ({', '.join(brackets)})"
+    rounds = [round(n, 2) for n in drafting.get("draft_tokens_per_request_step_rounds", ())]
+    spread = f" [{min(rounds):.2f}–{max(rounds):.2f}]" if rounds and min(rounds) != max(rounds) else ""
+    return f"{drafting['draft_tokens_per_request_step']:.2f}{spread} ({', '.join(brackets)})"
 
 
 def position_cell(r: dict, batch: int) -> str:

@@ -534,7 +534,10 @@ def summarize(rounds: list[dict]) -> dict:
     }
     drafted = [r["drafting"] for r in rounds if r.get("drafting")]
     if drafted:  # our heads: what they drafted per request and step (the median round), the policy's models
-        result["drafting"] = sorted(drafted, key=lambda d: d["draft_tokens_per_request_step"])[len(drafted) // 2]
+        result["drafting"] = {**sorted(drafted, key=lambda d: d["draft_tokens_per_request_step"])[len(drafted) // 2],
+                              # each round's, in order: a policy may draft in some rounds and not others
+                              "draft_tokens_per_request_step_rounds": [d["draft_tokens_per_request_step"]
+                                                                       for d in drafted]}
     by_category = {}
     for r in rounds:
         for category, part in r["by_category"].items():

@@ -175,6 +175,21 @@ def test_a_drafting_cell_shows_the_steps_the_policy_slept_through():
     assert report.drafting_cell({**drafting, "steps_slept_fraction": 0.0}) == "0.05 (90%, looks 0.01)"
 
 
+def test_the_drafting_summary_is_the_median_rounds_and_shows_every_rounds_spread():
+    """A policy may draft in some rounds and not in others (a drafting spell in one engine's
+    rounds): the median round alone would hide it."""
+    def drafting(tokens):
+        return {"draft_tokens_per_request_step": tokens, "steps_without_drafts_fraction": 1.0 - tokens}
+
+    outputs = [[1, 2, 3, 4]] * 2
+    ours = summarize([{**a_round(1.0, outputs), "drafting": drafting(t)} for t in (0.0, 0.9, 0.004)])
+    assert ours["drafting"]["draft_tokens_per_request_step"] == 0.004  # the median round's
+    assert ours["drafting"]["draft_tokens_per_request_step_rounds"] == [0.0, 0.9, 0.004]  # in round order
+    assert report.drafting_cell(ours["drafting"]) == "0.00 [0.00–0.90] (100%)"
+    assert report.drafting_cell(summarize([{**a_round(1.0, outputs), "drafting": drafting(0.0)}] * 2)["drafting"]) \
+        == "0.00 (100%)"  # rounds that agree show no spread
+
+
 @pytest.mark.parametrize("results_file,section,batches", [
     (RESULTS, "results", [1, 4, 8, 16, 32, 64]),
     (SMOLLM2_RESULTS, "smollm2-results", [1, 4, 16, 64]),
