@@ -30,8 +30,8 @@ the heads' time per number of rows and positions. A batch size not yet measured 
 the nearest measured one's figures (`estimate`), and a step without drafts is priced no
 dearer than one at a larger batch size (`_no_dearer_than_a_larger_batch`); until any is
 measured the policy drafts the full budget, which is also how it measures. Every so often it
-looks past its plan (one draft deeper, or none at all), to re-measure what it no longer does (`Looks`: less often
-while looking does not pay), and at once where one draft deeper (two, from a plan of none)
+looks past its plan (one draft deeper, or none at all), to re-measure what it no longer does
+(`Looks`: less often while looking does not pay), and at once where one draft deeper (two, from a plan of none)
 has not been measured at this batch size or one a little smaller, once the batch has held
 its size a few steps, unless the plan reads it from a smaller batch size that measured it
 (too cheap, if wrong: `_measure_deeper`).
