@@ -374,17 +374,22 @@ def run_interleaved(args, prompts: list, categories: list[str] | None, progress)
     the other, minutes apart, see different machines; within a round they see the same one,
     and the per-round ratios to vanilla (compare_with_vanilla) carry the drift's spread.
 
-    With `args.fresh_engines` all the engines are loaded anew (in the first round's order)
-    for every `args.rounds_per_load` rounds and shut down after them: two identical engines
-    can differ in speed by ~10% for their whole life, a bias in every round of engines loaded
-    once, which fresh engines turn into spread between rounds."""
+    With `args.fresh_engines` all the engines are loaded anew for every `args.rounds_per_load`
+    rounds and shut down after them: two identical engines can differ in speed by ~10% for
+    their whole life, a bias in every round of engines loaded once, which fresh engines turn
+    into spread between rounds. Each load's order is rotated by one more than the last, so
+    every method is loaded first (and last) as often as the others: rotated by its first
+    round instead, nine rounds three a load repeated one order of six methods in six of them
+    (vanilla first, vanilla-2 last), and the two identical plain engines differed by 1.03-1.07x
+    there against 0.97-1.00x in the other load, in four runs (README, the runs at 377a4aa)."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
     rounds: dict[str, dict[str, list]] = {method: {} for method in args.methods}
     failed: dict[str, str] = {}
-    for lived in engine_lifetimes(args.rounds, args.rounds_per_load if args.fresh_engines else args.rounds):
-        load_order = rotated([m for m in args.methods if m not in failed], lived[0])
+    lifetimes = engine_lifetimes(args.rounds, args.rounds_per_load if args.fresh_engines else args.rounds)
+    for load, lived in enumerate(lifetimes):
+        load_order = rotated([m for m in args.methods if m not in failed], load)
         engines = start_engines(load_order, args, prompts, failed, progress)
         try:
             for batch_size, n in zip(args.batch_sizes, args.num_prompts):
@@ -419,7 +424,8 @@ def engine_lifetimes(rounds: int, rounds_per_load: int) -> list[list[int]]:
 
 
 def rotated(methods: list[str], r: int) -> list[str]:
-    """Round r's order: the list rotated by r, so no method is always measured (or loaded) first."""
+    """The list rotated by r (a round's order, or a load's), so no method is always measured
+    (or loaded) first."""
     return methods[r % len(methods):] + methods[: r % len(methods)] if methods else []
 
 

@@ -315,9 +315,11 @@ def test_fresh_engines_measure_their_rounds_per_load_and_every_round_runs_once()
     assert engine_lifetimes(3, 3) == [[0, 1, 2]]
 
 
-def test_fresh_engines_are_loaded_for_every_round_in_a_rotated_order(tmp_path, monkeypatch):
-    """--fresh-engines: each round starts every engine anew (the first round's first engine
-    is the second round's last) and measures it at every batch size; results look as usual.
+def test_fresh_engines_are_loaded_anew_in_an_order_rotated_by_the_load(tmp_path, monkeypatch):
+    """--fresh-engines: every two rounds (--rounds-per-load) start every engine anew, the
+    first load's first engine the second's last (rotated by the load, not by its first round:
+    round 2 would rotate two methods back to the first load's order), and measure it at every
+    batch size; results look as usual.
     With --never-draft our method's policy drafts nothing in any engine, warmed-up or anew."""
     from benchmarks import run
 
@@ -325,12 +327,13 @@ def test_fresh_engines_are_loaded_for_every_round_in_a_rotated_order(tmp_path, m
     started, start_engine = [], run.start_engine
     monkeypatch.setattr(run, "start_engine", lambda method, *a: started.append(method) or start_engine(method, *a))
     result = run.main(["--methods", "vanilla,clover", "--batch-sizes", "1,2", "--num-prompts", "2,3",
-                       "--max-tokens", "6", "--rounds", "2", "--fresh-engines", "--enforce-eager", "--never-draft",
+                       "--max-tokens", "6", "--rounds", "4", "--rounds-per-load", "2", "--fresh-engines",
+                       "--enforce-eager", "--never-draft",
                        "--out", str(tmp_path / "r.json")], summary=False)
     assert started == ["vanilla", "clover", "clover", "vanilla"] and result["failed"] == {}
     for batch, prompts in (("1", 2), ("2", 3)):  # at batch 2 the third prompt replaces the first to finish
         second = result["results"]["clover"][batch]
-        assert second["rounds"] == 2 and second["rounds_agree"] and second["mismatches"] == [0] * prompts
+        assert second["rounds"] == 4 and second["rounds_agree"] and second["mismatches"] == [0] * prompts
         low, high = second["speedup_range"]
         assert low <= second["speedup_over_vanilla"] <= high
         assert second["drafting"]["stats"]["rows"] > 0 and second["drafting"]["stats"]["drafted"] == 0
