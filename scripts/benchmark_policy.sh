@@ -4,7 +4,7 @@
 # in rounds (the demo base 9, three per loading of the engines; SmolLM2 4, two per loading),
 # engines loaded anew (in rotated order) and warmed at every batch size; a second plain engine
 # shows how far two identical engines differ. Run with nothing else on the machine (SmolLM2
-# ~55 min, the demo base ~30):
+# ~86 min, the demo base ~30):
 #   scripts/benchmark_policy.sh demo [OUT.json]      # demo base, compiled engines, held-out prompts
 #   scripts/benchmark_policy.sh smollm2 [OUT.json]   # SmolLM2-135M-Instruct, eager engines, Spec-Bench
 # Writes OUT.json (default benchmarks/results/policy/TARGET.json) and the plots next to it.
