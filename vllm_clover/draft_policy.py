@@ -1088,9 +1088,9 @@ class GoodputPolicy:
         the policy's own planning (CLP's length head runs for every row), so a step without
         drafts timed awake is dearer than the choice it stands for. On the demo base at batch
         1, CLP's steps without drafts took 3.20 ms awake and 2.86 asleep (each draft step's
-        interval timed in the engine, README), and against the awake price first drafts accepted at 0.43 looked worth their
-        ~1.2 ms; CLP drafted in 28% of steps and ran 0.93x plain decoding, its threshold rule
-        0.99x (686f4b1's sweep).
+        interval timed in the engine, README), and against the awake price first drafts
+        accepted at 0.43 looked worth their ~1.2 ms; CLP drafted in 28% of steps and ran 0.93x
+        plain decoding, its threshold rule 0.99x (686f4b1's sweep).
 
         A larger batch size, because fewer requests and tokens on the same path never cost more.
 
