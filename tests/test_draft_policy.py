@@ -908,6 +908,42 @@ def test_a_step_without_drafts_is_priced_no_dearer_than_one_at_a_larger_batch_si
     assert policy.lengths(np.full((1, K), 0.5), [K], heads_to_run=True) == [0]
 
 
+def test_a_step_without_drafts_is_priced_as_it_costs_asleep_where_the_policy_has_slept():
+    """Drafting nothing lets the policy sleep, and a step after a sleeping draft step carries
+    none of the policy's planning: CLP on the demo base at batch 1 took 3.20 ms a step without
+    drafts awake, 2.86 asleep, and against the awake price drafted first drafts accepted at
+    0.43. Priced as it costs asleep, one draft no longer pays."""
+    c = Clock()
+    policy = GoodputPolicy(K, clock=c)
+    ids = ["r"]
+
+    def step(seconds: float, drafted: int = 0) -> None:
+        c.now += seconds
+        policy.observe_step(1 + drafted, ids, {"r": drafted}, {"r": 0})
+
+    for _ in range(SAMPLES_PER_BUCKET + 1):
+        step(0.0032)                    # awake: its draft step planned
+        policy.end_step(ids)
+    for _ in range(SAMPLES_PER_BUCKET):
+        for tokens, seconds in ((2, 0.0036), (3, 0.0038)):
+            policy.step_costs.observe(1, tokens, seconds)
+        for positions in range(1, K + 1):
+            policy.heads_costs.observe(1, positions, 0.0009 * positions)
+    policy.acceptance.note_confidence(np.full((8, K), 0.5))
+    # First drafts accepted at 0.55: 1.55 tokens in 4.5 ms beat one in 3.2 ms awake (0.344 a ms
+    # against 0.313).
+    assert policy.lengths(np.full((1, K), 0.5), [K], heads_to_run=True) == [1]
+    assert policy.slept_step_costs.measured() == {}
+    for _ in range(MIN_SAMPLES):  # few: the step table's median stays the awake steps'
+        policy._start_step_clock(c.now, looked=False, slept=True)  # as `asleep` starts it
+        step(0.00286)
+        policy.end_step(ids)
+    assert policy.slept_step_costs.models[bucket(1)].predict(np.array([1])).tolist() == pytest.approx([0.00286])
+    assert policy.step_costs.models[bucket(1)].predict(np.array([1])).tolist() == pytest.approx([0.0032])
+    # Against 2.86 ms asleep, 1.55 tokens in 4.5 ms do not pay (0.344 a ms against 0.350).
+    assert policy.lengths(np.full((1, K), 0.5), [K], heads_to_run=True) == [0]
+
+
 def test_a_step_of_another_kind_than_the_one_before_it_prices_neither_kind():
     """A policy drafting nearly every step times few steps without drafts, each right after
     drafting ones, and dearer than steady ones: priced from them, a step without drafts looked

@@ -371,6 +371,21 @@ def test_steps_without_drafts_sample_like_plain_decoding():
     assert sample(runner(ours), None, None) is None  # a step vLLM already samples plainly
 
 
+@pytest.mark.parametrize("vocab", [4096, 49152, 1000])
+def test_the_two_stage_argmax_is_torchs_ties_and_nans_included(vocab):
+    from vllm_clover.patches import first_argmax
+
+    logits = torch.randn(40, vocab, generator=torch.Generator().manual_seed(vocab))
+    top = logits.max() + 1
+    logits[0, [5, vocab - 3]] = top            # a tie across chunks: the first index
+    logits[1, [vocab // 2, vocab // 2 + 1]] = top  # a tie inside a chunk
+    logits[2, :] = 0.0                          # every token tied: index 0
+    logits[3, 7], logits[3, vocab - 1] = float("nan"), top  # a NaN counts as the largest
+    logits[4, [vocab - 2, 9]] = float("nan")    # the first NaN
+    assert torch.equal(first_argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(first_argmax(logits[:, : vocab // 2]), logits[:, : vocab // 2].argmax(dim=-1))  # not contiguous
+
+
 def test_greedy_verification_takes_the_tokens_vllms_rejection_sampler_takes():
     """Our runners' rejection sampler, all requests greedy, verifies on one argmax over the
     logits rows and gives vLLM's own output token for token: drafts that match the target's

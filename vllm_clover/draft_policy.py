@@ -702,6 +702,9 @@ class GoodputPolicy:
         self.step_costs = CostsByBatch(sizes_per_batch=True)  # by requests, then tokens the step runs: decode-only
         self.prefill_step_costs = CostsByBatch(sizes_per_batch=True)  # the same for steps that carried prefill chunks
         self.heads_costs = CostsByBatch(sizes_per_batch=False)  # by rows, then positions the heads draft
+        # Decode-only steps without drafts whose draft step before them slept (`asleep`): what
+        # drafting nothing costs once the policy sleeps, without its own planning in it.
+        self.slept_step_costs = CostsByBatch(sizes_per_batch=True)
         self.clock = clock
         self.base_tokens = 1          # the next step's decodes: requests that sampled a token in this one
         self._running: set[str] = set()  # the requests of the last step
@@ -715,6 +718,7 @@ class GoodputPolicy:
         self._deeper_look_steps: Counter[tuple[str, int, int]] = Counter()  # per key: look steps at its batch
         self._nothing_deeper: tuple | None = None  # what `_measure_deeper` last found nothing to measure for
         self._last_step_start: float | None = None
+        self._slept = False  # whether the step being timed began at a draft step that slept
         # Whether the last step observed verified drafts (None before any). A step whose kind
         # differs is timed for the looks but priced in no table: the first step without drafts
         # after drafting ones is dearer than steady ones (at batch 1 on the demo base, Clover's
@@ -767,6 +771,8 @@ class GoodputPolicy:
             costs = self.step_costs if decode_only else self.prefill_step_costs
             if self._last_drafted in (None, drafted):  # `_last_drafted`: a change of kind is neither kind's price
                 costs.observe(len(req_ids), num_tokens, seconds - self._heads_seconds, look=bool(self._looked))
+            if self._slept and decode_only and not drafted:
+                self.slept_step_costs.observe(len(req_ids), num_tokens, seconds)
             if self._looked is not None:
                 self.looks.step_done(len(req_ids), self._looked, len(accepted) + sum(accepted.values()), seconds)
             if self._looked:
@@ -860,14 +866,14 @@ class GoodputPolicy:
         if self._sleep_phase == 0:
             return False
         # A skipped step drafts what the plans that put the policy to sleep did: a planned none.
-        self._start_step_clock(self.clock(), looked=False)
+        self._start_step_clock(self.clock(), looked=False, slept=True)
         return True
 
-    def _start_step_clock(self, now: float, looked: bool | None = None) -> None:
+    def _start_step_clock(self, now: float, looked: bool | None = None, slept: bool = False) -> None:
         """The next step's time runs from `now`, with no heads' or put-off work in it yet, its
-        lengths decided as `looked` says (`_looked`)."""
+        lengths decided as `looked` says (`_looked`), from a draft step that `slept` or not."""
         self._last_step_start, self._heads_seconds, self._heads_run, self._looked = now, 0.0, 0, looked
-        self._deferred_seconds = 0.0
+        self._deferred_seconds, self._slept = 0.0, slept
 
     # ---- the heads ----
 
@@ -1049,7 +1055,7 @@ class GoodputPolicy:
     def _costs(self, with_heads: bool):
         """(step_time, heads_time or None, margin) for this batch, or None while either is unmeasured;
         rebuilt every COSTS_REFRESH_STEPS steps, for another batch size or a size newly measured."""
-        tables = (self.step_costs, self.prefill_step_costs, self.heads_costs)
+        tables = (self.step_costs, self.prefill_step_costs, self.heads_costs, self.slept_step_costs)
         built_for = (self.base_tokens, self._rows if with_heads else 0, sum(t.sizes_known for t in tables))
         built = self._built_costs.get(with_heads)
         if built is None or built[1] != built_for or self._steps - built[0] >= COSTS_REFRESH_STEPS:
@@ -1075,7 +1081,18 @@ class GoodputPolicy:
 
     def _no_dearer_than_a_larger_batch(self, step: Estimate) -> Callable[[np.ndarray], np.ndarray]:
         """`step`, its step without drafts (base_tokens) priced at most what one took at a
-        larger batch size: fewer requests and tokens on the same path never cost more.
+        larger batch size, and at most what one takes at this batch size after a draft step
+        that slept (`slept_step_costs`).
+
+        Asleep, because drafting nothing is what lets the policy sleep: awake, every step pays
+        the policy's own planning (CLP's length head runs for every row), so a step without
+        drafts timed awake is dearer than the choice it stands for. On the demo base at batch
+        1, CLP's steps without drafts took 3.20 ms awake and 2.86 asleep (each draft step's
+        interval timed in the engine, README), and against the awake price first drafts
+        accepted at 0.43 looked worth their ~1.2 ms; CLP drafted in 28% of steps and ran 0.93x
+        plain decoding, its threshold rule 0.99x (686f4b1's sweep).
+
+        A larger batch size, because fewer requests and tokens on the same path never cost more.
 
         Where a batch size drafts in nearly every step, its few steps without drafts are not
         plain decoding's: the first after drafting steps, a request's first decode. On the demo
@@ -1086,10 +1103,20 @@ class GoodputPolicy:
         is of its own moment, so a larger one timed in a faster spell can price this one under
         what it costs now (SmolLM2, 1d5c409: batch 2's 73.7 ms capped batch 1's 80.9; the
         decision was the same either way)."""
-        base, plain = self.base_tokens, self.step_costs.least_step_without_drafts(bucket(self.base_tokens))
+        base = self.base_tokens
+        plain = min(self.step_costs.least_step_without_drafts(bucket(base)), self._step_asleep(base))
         if math.isinf(plain):
             return step
         return lambda n: np.where(np.asarray(n) <= base, np.minimum(step(n), plain), step(n))
+
+    def _step_asleep(self, requests: int) -> float:
+        """A decode-only step without drafts of `requests` after a draft step that slept, as
+        this batch size measured it, or inf where it has not."""
+        b = bucket(requests)
+        if not self.slept_step_costs.knows_at(b, requests, requests):
+            return math.inf
+        predict, _ = self.slept_step_costs.scaled(b, requests)
+        return float(predict(np.array([requests]))[0])
 
     def summary(self) -> dict:
         """The policy's models, for the benchmark JSON: the step-time and heads-time tables
@@ -1100,6 +1127,7 @@ class GoodputPolicy:
         return {
             "step_seconds_by_requests_and_tokens": self.step_costs.as_dict(),
             "prefill_step_seconds_by_requests_and_tokens": self.prefill_step_costs.as_dict(),
+            "slept_step_seconds_by_requests_and_tokens": self.slept_step_costs.as_dict(),
             "heads_seconds_by_rows_and_positions": self.heads_costs.as_dict(),
             "step_seconds_relative_error_by_requests": {
                 f"{2 ** (b / BUCKETS_PER_OCTAVE):.0f}": round(m.relative_error(), 4)

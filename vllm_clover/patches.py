@@ -382,13 +382,34 @@ def verify_greedily(metadata, logits: torch.Tensor):
     from vllm.v1.outputs import SamplerOutput
     from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, _rejection_greedy_sample
 
-    argmax = logits.argmax(dim=-1)
+    argmax = first_argmax(logits)
     output = torch.full((len(metadata.num_draft_tokens), metadata.max_spec_len + 1), PLACEHOLDER_TOKEN_ID,
                         dtype=torch.int32, device=logits.device)
     bonus = argmax[metadata.bonus_logits_indices].to(torch.int32).unsqueeze(-1)
     _rejection_greedy_sample(output, metadata.cu_num_draft_tokens, metadata.draft_token_ids,
                              argmax[metadata.target_logits_indices], bonus, None, metadata.max_spec_len, None, None)
     return SamplerOutput(sampled_token_ids=output, logprobs_tensors=None)
+
+
+ARGMAX_CHUNK = 1024  # tokens per chunk of `first_argmax`'s first stage
+
+
+def first_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, the first index of its largest value as torch's (a NaN counts as
+    the largest), in two stages where the vocabulary splits into ARGMAX_CHUNK-token chunks:
+    each chunk's max, then the argmax inside the first chunk holding the row's.
+
+    torch's CPU argmax runs ~10x slower than a max over the same rows (one thread, 320 rows of
+    SmolLM2's 49,152 tokens: 38 ms against 3.6; two stages 5.5), and verification takes one
+    over K + 1 rows a request: SmolLM2's Clover with K = 4 spent 38 ms a step sampling at
+    batch 64 (README, verification's argmax)."""
+    rows, vocab = logits.shape
+    if vocab % ARGMAX_CHUNK or vocab == ARGMAX_CHUNK or not logits.is_contiguous():
+        return logits.argmax(dim=-1)
+    chunks = logits.view(rows, vocab // ARGMAX_CHUNK, ARGMAX_CHUNK)
+    best = chunks.amax(dim=-1).argmax(dim=-1)
+    within = chunks[torch.arange(rows, device=logits.device), best].argmax(dim=-1)
+    return best * ARGMAX_CHUNK + within
 
 
 def _plain_inputs_without_drafts(original):
