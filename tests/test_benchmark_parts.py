@@ -193,8 +193,8 @@ def test_the_drafting_summary_is_the_median_rounds_and_shows_every_rounds_spread
 @pytest.mark.parametrize("results_file,section,batches", [
     (RESULTS, "results", [1, 4, 8, 16, 32, 64]),
     (SMOLLM2_RESULTS, "smollm2-results", [1, 4, 16, 64]),
-    (POLICY_RESULTS / "demo-rotated-loads.json", "policy-demo", [1, 4, 16, 64]),
-    (POLICY_RESULTS / "smollm2-steady-greedy.json", "policy-smollm2", [1, 4, 16, 64]),
+    (POLICY_RESULTS / "demo-priced-asleep-argmax.json", "policy-demo", [1, 4, 16, 64]),
+    (POLICY_RESULTS / "smollm2-priced-asleep-argmax.json", "policy-smollm2", [1, 4, 16, 64]),
     (RESULTS.parent / "peer.json", "demo-peer", [1, 4]),
     (SMOLLM2_RESULTS.parent / "peer.json", "smollm2-peer", [1, 4]),
 ])
