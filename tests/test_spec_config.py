@@ -371,7 +371,7 @@ def test_steps_without_drafts_sample_like_plain_decoding():
     assert sample(runner(ours), None, None) is None  # a step vLLM already samples plainly
 
 
-@pytest.mark.parametrize("vocab", [4096, 49152, 1000])
+@pytest.mark.parametrize("vocab", [4096, 49152, 1000, 32000, 151936])
 def test_the_two_stage_argmax_is_torchs_ties_and_nans_included(vocab):
     from vllm_clover.patches import first_argmax
 
